@@ -1,0 +1,36 @@
+"""tegula: a hardware-neutral tile language and compiler for the operators of large MoE models.
+
+``import tegula.language as T`` gives TileLang's surface; ``tegula.compile`` / ``tegula.jit`` build kernels for
+a target (``c``: the CPU; ``interp``: the numpy reference). Importing tegula touches no compiler or device.
+"""
+from tegula.errors import CompileError
+
+__version__ = "0.1.0"
+
+
+def compile(func, out_idx=None, target=None, execution_backend=None, pass_configs=None, **options):  # noqa: A001
+    """Compile a ``T.prim_func`` for ``target`` (default: TEGULA_TARGET, else the best usable one).
+
+    ``out_idx`` (an int or a list; negative counts from the end) names the parameters the call allocates and
+    returns. Returns a callable kernel taking torch tensors or numpy arrays.
+    """
+    from tegula.jit import compile_func
+    return compile_func(func, out_idx=out_idx, target=target, options=options)
+
+
+def lower(func, target=None, **options):
+    """Run the compiler up to source text without building it: the result has ``.kernel_source``."""
+    from tegula.jit import lower_func
+    return lower_func(func, target=target, options=options)
+
+
+def jit(fn=None, *, out_idx=None, target=None, **options):
+    """``@tegula.jit(out_idx=...)`` on a factory: its arguments are compile-time parameters and it returns a
+    ``T.prim_func``; calling the decorated factory returns the compiled kernel, cached per argument tuple."""
+    from tegula.jit import JitFactory
+    if fn is None:
+        return lambda f: JitFactory(f, out_idx=out_idx, target=target, options=options)
+    return JitFactory(fn, out_idx=out_idx, target=target, options=options)
+
+
+__all__ = ["CompileError", "compile", "jit", "lower", "__version__"]

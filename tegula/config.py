@@ -1,0 +1,44 @@
+"""Every environment knob of tegula, in one typed place. Read lazily, at each use."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tegula")
+
+
+@dataclass(frozen=True)
+class Config:
+    cache_dir: str      # TEGULA_CACHE_DIR: compiled kernels (default ~/.cache/tegula)
+    target: str | None  # TEGULA_TARGET: default target for compile/jit (default: best available)
+    dump_dir: str | None  # TEGULA_DUMP: write every stage (name.ir, name.c, name.py) here
+    debug: int          # TEGULA_DEBUG: >=1 keeps generated sources, >=2 runs the verifier between passes
+    cc: str             # TEGULA_CC: the C compiler for the c target (default cc)
+    cflags: str         # TEGULA_CFLAGS: extra flags appended to the C compiler's command line
+    num_threads: int    # TEGULA_NUM_THREADS: threads of the c target's grid loop (0 = all cores)
+    disk_cache: bool    # TEGULA_DISK_CACHE=0 disables the on-disk kernel cache
+
+
+def get() -> Config:
+    env = os.environ
+    return Config(
+        cache_dir=env.get("TEGULA_CACHE_DIR") or _default_cache_dir(),
+        target=env.get("TEGULA_TARGET") or None,
+        dump_dir=env.get("TEGULA_DUMP") or None,
+        debug=_int("TEGULA_DEBUG", 0),
+        cc=env.get("TEGULA_CC") or "cc",
+        cflags=env.get("TEGULA_CFLAGS", ""),
+        num_threads=_int("TEGULA_NUM_THREADS", 0),
+        disk_cache=env.get("TEGULA_DISK_CACHE", "1") != "0",
+    )

@@ -1,0 +1,38 @@
+"""``import tegula.language as T``: TileLang's surface.
+
+Nothing here knows any target. ``@T.prim_func`` parses a kernel into IR at decoration time.
+"""
+from tegula.ir.dtypes import (  # noqa: F401
+    bfloat16, bool_ as bool, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float16, float32, float64, int8, int16,
+    int32, int64, uint8, uint16, uint32, uint64,
+)
+from tegula.language.parser import Macro, parse
+from tegula.language.surface import (  # noqa: F401
+    Cast, Kernel, Parallel, Pipelined, Tensor, abs, alloc_fragment, alloc_local, alloc_shared, alloc_var,
+    annotate_l2_hit_ratio, annotate_layout, annotate_padding, cast, ceil, ceildiv, clamp, cos, disable_warp_group_reg_alloc,
+    dynamic, erf, exp, exp2, floor, floordiv, floormod, grid, if_then_else, infinity, isinf, isnan, log, log2, log10,
+    make_swizzled_layout, max, max_value, min, min_value, no_set_max_nreg, pow, rsqrt, serial, set_max_nreg, sigmoid,
+    sin, sqrt, symbolic, sync_threads, tanh, trunc, truncdiv, truncmod, unroll, use_swizzle, vectorized,
+)
+from tegula.language.tile import (  # noqa: F401
+    atomic_add, atomic_max, atomic_min, clear, copy, fill, gemm, reduce_absmax, reduce_abssum, reduce_max,
+    reduce_min, reduce_sum,
+)
+
+float8_e4m3 = float8_e4m3fn
+Buffer = Tensor
+FP8 = float8_e4m3fn
+
+
+def prim_func(fn=None, *, private=False):
+    """Parse ``fn`` (annotated with ``T.Tensor`` parameters) into a kernel function (a ``PrimFunc``)."""
+    if fn is None:
+        return lambda f: parse(f)
+    return parse(fn)
+
+
+def macro(fn=None, *, hygienic=True):
+    """A helper whose body is inlined at each call site inside a kernel."""
+    if fn is None:
+        return lambda f: Macro(f)
+    return Macro(fn)

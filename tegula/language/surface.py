@@ -1,0 +1,291 @@
+"""The T.* constructs that are not tile ops: annotations, the kernel, buffers, loops, math, macros."""
+from __future__ import annotations
+
+import math
+
+from tegula.errors import CompileError
+from tegula.ir import dtypes as dt
+from tegula.ir import expr as E
+from tegula.ir.buffer import Buffer
+from tegula.language.builder import current, kernel_builder
+
+
+# parameters ------------------------------------------------------------------------------------
+
+class TensorType:
+    """``T.Tensor(shape, dtype)``: the annotation of a global tensor parameter (row-major, contiguous)."""
+
+    def __init__(self, shape, dtype="float32", **_ignored):
+        shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
+        for d in shape:
+            if not (isinstance(d, int) or (isinstance(d, E.Expr) and d.dtype.is_int)):
+                raise CompileError(f"T.Tensor: dimension {d!r} must be an int or a symbolic dim (T.dynamic)")
+        self.shape, self.dtype = shape, dt.dtype(dtype)
+
+    @classmethod
+    def __class_getitem__(cls, item):  # T.Tensor[(M, N), "float32"]
+        shape, dtype = item
+        return cls(shape, dtype)
+
+
+Tensor = Buffer_ = TensorType
+
+
+def dynamic(name: str, dtype="int32") -> E.Var:
+    """A dimension bound from the arguments at call time (one compiled kernel serves every value)."""
+    return E.Var(name, dt.dtype(dtype))
+
+
+symbolic = dynamic
+
+
+# the kernel --------------------------------------------------------------------------------------
+
+class KernelSpec:
+    """``with T.Kernel(gx, gy, gz, threads=N) as (bx, by, bz)``: a grid of blocks."""
+
+    def __init__(self, *grid, threads=None, is_cpu=False, prelude=None, **_hints):
+        if not 1 <= len(grid) <= 3:
+            raise CompileError(f"T.Kernel takes 1 to 3 grid dimensions, got {len(grid)}")
+        for g in grid:
+            if isinstance(g, E.Expr) and not g.dtype.is_int or not isinstance(g, (int, E.Expr)):
+                raise CompileError(f"T.Kernel: grid dimension {g!r} must be an integer")
+        self.grid = tuple(grid)
+        if threads is None:
+            threads = (128,)
+        self.threads = tuple(threads) if isinstance(threads, (tuple, list)) else (threads,)
+
+
+Kernel = KernelSpec
+
+
+# buffers ---------------------------------------------------------------------------------------
+
+def _alloc(shape, dtype, scope: str) -> Buffer:
+    b = kernel_builder()
+    shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
+    for d in shape:
+        if E.const_value(d) is None or isinstance(E.const_value(d), float):
+            raise CompileError(f"T.alloc_{scope}: dimension {d!r} must be a compile-time integer")
+        if E.const_value(d) <= 0:
+            raise CompileError(f"T.alloc_{scope}: dimension {d!r} must be positive")
+    buf = Buffer(b.fresh(scope + "_"), tuple(int(E.const_value(d)) for d in shape), dt.dtype(dtype), scope, b.loc)
+    buf.auto_name = True
+    from tegula.ir.stmt import Alloc
+    b.emit(Alloc(buf))
+    return buf
+
+
+def alloc_shared(shape, dtype, scope="shared.dyn"):
+    """A tile visible to the whole block (one per block)."""
+    return _alloc(shape, dtype, "shared")
+
+
+def alloc_fragment(shape, dtype, scope="local.fragment"):
+    """A tile distributed over the block's threads; the program reads it as one tile."""
+    return _alloc(shape, dtype, "fragment")
+
+
+def alloc_local(shape, dtype, scope="local"):
+    """A per-thread array."""
+    return _alloc(shape, dtype, "local")
+
+
+def alloc_var(dtype, init=None, scope="local.var"):
+    """A scalar variable: ``v = expr`` assigns, ``v += 1`` updates, ``v`` reads."""
+    buf = _alloc((1,), dtype, "local.var")
+    if init is not None:
+        from tegula.language.builder import emit_store
+        emit_store(buf, 0, init)
+    return buf
+
+
+# loops -----------------------------------------------------------------------------------------
+
+class LoopSpec:
+    """What a ``for`` iterates over: one (start, extent, step) per loop variable."""
+
+    def __init__(self, kind: str, ranges: list, annotations=None):
+        self.kind, self.ranges, self.annotations = kind, ranges, annotations or {}
+
+    def __iter__(self):
+        raise CompileError("T.Parallel / T.serial / T.Pipelined ... can only be iterated by a `for` in a kernel")
+
+
+def _range(kind: str, args, annotations=None) -> LoopSpec:
+    if not 1 <= len(args) <= 3:
+        raise CompileError(f"T.{kind}/range takes 1 to 3 arguments (stop | start, stop[, step]), got {len(args)}")
+    start, stop, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) == 3 else 1)
+    step = E.const_value(step)
+    if step is None or not isinstance(step, int) or step == 0:
+        raise CompileError(f"loop step must be a non-zero compile-time int, got {args[2]!r}")
+    if isinstance(start, int) and isinstance(stop, int):
+        extent = max(0, -((start - stop) // step)) if step > 0 else max(0, -((stop - start) // -step))
+    else:
+        diff = E.binop("-", stop, start)
+        extent = E.binop("max", E.binop("//", E.binop("+", diff, step - (1 if step > 0 else -1)), step), 0)
+    return LoopSpec(kind, [(start, extent, step)], annotations)
+
+
+def serial(*args, annotations=None) -> LoopSpec:
+    """A sequential loop: ``T.serial(stop)`` or ``T.serial(start, stop[, step])``."""
+    return _range("serial", args, annotations)
+
+
+def unroll(*args, explicit=False, unroll_factor=None) -> LoopSpec:
+    """A sequential loop the compiler unrolls."""
+    return _range("unroll", args)
+
+
+def vectorized(*args) -> LoopSpec:
+    return _range("parallel", args)
+
+
+def Parallel(*extents, coalesced_width=None, loop_layout=None) -> LoopSpec:
+    """An elementwise loop nest over a tile: iterations are independent; the compiler distributes and
+    vectorises them."""
+    if not extents:
+        raise CompileError("T.Parallel needs at least one extent")
+    return LoopSpec("parallel", [_range("parallel", (e,)).ranges[0] for e in extents])
+
+
+def grid(*extents) -> LoopSpec:
+    """Nested serial loops, one per extent."""
+    return LoopSpec("serial", [_range("serial", (e,)).ranges[0] for e in extents])
+
+
+def Pipelined(start, stop=None, num_stages=0, order=None, stage=None, sync=None, group=None) -> LoopSpec:
+    """Semantically ``range(start, stop)`` (or ``range(start)``); copies of later iterations may
+    overlap the compute of earlier ones (``num_stages`` buffers)."""
+    args = (start,) if stop is None else (start, stop)
+    return _range("pipelined", args, {"num_stages": int(num_stages)})
+
+
+# expressions -----------------------------------------------------------------------------------
+
+def _math(name):
+    def f(*args):
+        return E.call(name, *args)
+    f.__name__ = name
+    f.__doc__ = f"T.{name}: computed in the argument's float dtype (integers are converted to float32)."
+    return f
+
+
+exp, exp2, log, log2, log10, sqrt, rsqrt, sigmoid, tanh, erf, floor, ceil = (
+    _math(n) for n in ("exp", "exp2", "log", "log2", "log10", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "floor",
+                       "ceil"))
+sin, cos, trunc, round_ = _math("sin"), _math("cos"), _math("trunc"), _math("round")
+isnan, isinf = _math("isnan"), _math("isinf")
+
+
+def pow(x, y):  # noqa: A001
+    return E.call("pow", x, y)
+
+
+def abs(x):  # noqa: A001
+    """|x|, in x's dtype."""
+    return E.call("abs", x) if isinstance(x, E.Expr) else builtins_abs(x)
+
+
+def builtins_abs(x):
+    return x if x >= 0 else -x
+
+
+def _py_or_ir(op, a, b):
+    if not isinstance(a, E.Expr) and not isinstance(b, E.Expr) and not hasattr(a, "as_expr") and not hasattr(
+            b, "as_expr"):
+        return (a if a >= b else b) if op == "max" else (a if a <= b else b)
+    return E.binop(op, a, b)
+
+
+def max(a, b, *rest):  # noqa: A001
+    """The larger value (floats: IEEE maxNum, so a NaN operand gives the other one)."""
+    out = _py_or_ir("max", a, b)
+    for r in rest:
+        out = _py_or_ir("max", out, r)
+    return out
+
+
+def min(a, b, *rest):  # noqa: A001
+    """The smaller value (floats: IEEE minNum)."""
+    out = _py_or_ir("min", a, b)
+    for r in rest:
+        out = _py_or_ir("min", out, r)
+    return out
+
+
+def clamp(x, lo, hi):
+    """min(max(x, lo), hi)."""
+    return min(max(x, lo), hi)
+
+
+def if_then_else(cond, a, b):
+    """``a`` where cond holds, else ``b``; only the chosen side is evaluated."""
+    return E.select(cond, a, b)
+
+
+def cast(x, dtype):
+    """Convert to ``dtype`` (floats round to nearest even; float8_e4m3fn saturates to +-448 like torch)."""
+    return E.cast(x, dtype)
+
+
+Cast = cast
+
+
+def ceildiv(a, b):
+    """ceil(a / b) for integers."""
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return E.binop("//", E.binop("+", a, E.binop("-", b, 1)), b)
+
+
+def floordiv(a, b):
+    return E.binop("//", a, b)
+
+
+def floormod(a, b):
+    return E.binop("%", a, b)
+
+
+def truncdiv(a, b):
+    return E.binop("/", a, b)
+
+
+def truncmod(a, b):
+    a, b = E.as_expr(a), E.as_expr(b, like=E.as_expr(a).dtype)
+    return E.binop("-", a, E.binop("*", E.binop("/", a, b), b))
+
+
+def infinity(dtype):
+    """+inf of a float dtype."""
+    d = dt.dtype(dtype)
+    if not d.is_float:
+        raise CompileError(f"T.infinity: {d} has no infinity")
+    return E.Const(math.inf, d)
+
+
+def max_value(dtype):
+    """The largest finite value of ``dtype``."""
+    d = dt.dtype(dtype)
+    return E.Const(dt.max_value(d), d)
+
+
+def min_value(dtype):
+    """The smallest finite value of ``dtype`` (most negative)."""
+    d = dt.dtype(dtype)
+    return E.Const(dt.min_value(d), d)
+
+
+# hints that only SIMT targets act on: accepted so TileLang kernels run unchanged ----------------------
+
+def _hint(*args, **kwargs):
+    current()
+    return None
+
+
+annotate_layout = use_swizzle = no_set_max_nreg = set_max_nreg = disable_warp_group_reg_alloc = _hint
+annotate_l2_hit_ratio = sync_threads = annotate_padding = _hint
+
+
+def make_swizzled_layout(*args, **kwargs):
+    return None

@@ -1,0 +1,145 @@
+"""The T.* tile ops: each checks its operands' shapes and appends one IR statement."""
+from __future__ import annotations
+
+from tegula.errors import CompileError
+from tegula.ir import expr as E
+from tegula.ir import stmt as S
+from tegula.ir.buffer import Buffer, Region, as_region
+from tegula.language.builder import kernel_builder
+
+
+def _squeeze(shape) -> tuple:
+    return tuple(E.const_value(d) if E.const_value(d) is not None else d for d in shape
+                 if E.const_value(d) != 1)
+
+
+def _shape_str(shape) -> str:
+    return "(" + ", ".join(str(E.const_value(d) if E.const_value(d) is not None else d) for d in shape) + ")"
+
+
+def _const_shape(rg: Region, what: str) -> tuple:
+    for e in rg.extents:
+        if E.const_value(e) is None:
+            raise CompileError(f"{what}: the tile {rg} has a symbolic extent; tile extents must be compile-time "
+                               "constants (slice a constant-size tile out of the tensor)")
+    return tuple(int(E.const_value(d)) for d in rg.shape)
+
+
+def _operand_shape(x):
+    if isinstance(x, Region):
+        return x.shape
+    if isinstance(x, Buffer):
+        return x.shape
+    return None
+
+
+def copy(src, dst, coalesced_width=None, disable_tma=False, eviction_policy=None, **_hints):
+    """Copy a tile: each side is a buffer, a region ``A[a:b, c]`` or a start element ``A[i, j]`` (extent from
+    the other side). The dtype converts on the way; global elements outside the tensor read as 0 and are not
+    written."""
+    b = kernel_builder()
+    s_shape, d_shape = _operand_shape(src), _operand_shape(dst)
+    if s_shape is None and d_shape is None:
+        if not (isinstance(src, E.Load) and isinstance(dst, E.Load)):
+            raise CompileError(f"T.copy: expected buffers or regions, got {type(src).__name__} and "
+                               f"{type(dst).__name__}")
+        s_shape = d_shape = ()
+    src = as_region(src, d_shape if s_shape is None else None)
+    dst = as_region(dst, s_shape if d_shape is None else src.shape)
+    ss, ds = _const_shape(src, "T.copy"), _const_shape(dst, "T.copy")
+    if _squeeze(ss) != _squeeze(ds):
+        raise CompileError(f"T.copy: source {src.buffer.name} tile {_shape_str(ss)} does not match destination "
+                           f"{dst.buffer.name} tile {_shape_str(ds)}")
+    b.emit(S.Copy(src, dst))
+
+
+def fill(buffer, value):
+    """Set every element of a tile to ``value`` (converted to the tile's dtype)."""
+    b = kernel_builder()
+    rg = as_region(buffer)
+    _const_shape(rg, "T.fill")
+    b.emit(S.Fill(rg, E.cast(E.as_expr(value, like=rg.dtype), rg.dtype)))
+
+
+def clear(buffer):
+    """``T.fill(buffer, 0)``."""
+    fill(buffer, 0)
+
+
+def gemm(A, B, C, transpose_A=False, transpose_B=False, policy=None, clear_accum=False, k_pack=1, wg_wait=0,
+         **_hints):
+    """C += op(A) @ op(B), accumulated in C's dtype. A is (M, K) or (K, M) with transpose_A; B is (K, N) or
+    (N, K) with transpose_B; C is (M, N). With clear_accum, C is zeroed first."""
+    b = kernel_builder()
+    a, bb, c = (as_region(x) for x in (A, B, C))
+    sa, sb, sc = (_squeeze(_const_shape(r, "T.gemm")) if len(r.shape) != 2 else _const_shape(r, "T.gemm")
+                  for r in (a, bb, c))
+    for name, s in (("A", sa), ("B", sb), ("C", sc)):
+        if len(s) != 2:
+            raise CompileError(f"T.gemm: {name} must be a 2-D tile, got {_shape_str(s)}")
+    m, k = (sa[1], sa[0]) if transpose_A else sa
+    k2, n = (sb[1], sb[0]) if transpose_B else sb
+    if k != k2:
+        raise CompileError(f"T.gemm: the K extents differ: A {_shape_str(sa)}{' (transposed)' * bool(transpose_A)} "
+                           f"has K={k}, B {_shape_str(sb)}{' (transposed)' * bool(transpose_B)} has K={k2}")
+    if (m, n) != tuple(sc):
+        raise CompileError(f"T.gemm: C is {_shape_str(sc)} but op(A) @ op(B) is ({m}, {n})")
+    if c.buffer.is_global:
+        raise CompileError("T.gemm: C must be a fragment or local buffer, not a global tensor")
+    for name, r in (("A", a), ("B", bb)):
+        if r.buffer.is_global:
+            raise CompileError(f"T.gemm: {name} must be in shared memory or a fragment; T.copy it there first")
+    hints = {"policy": str(policy)} if policy is not None else {}
+    b.emit(S.Gemm(a, bb, c, bool(transpose_A), bool(transpose_B), bool(clear_accum), hints))
+
+
+def _reduce(kind):
+    def reduce_op(src, dst, dim=-1, clear=True):
+        b = kernel_builder()
+        s, d = as_region(src), as_region(dst)
+        ss, ds = _const_shape(s, f"T.reduce_{kind}"), _const_shape(d, f"T.reduce_{kind}")
+        nd = len(ss)
+        if not isinstance(dim, int) or not -nd <= dim < nd:
+            raise CompileError(f"T.reduce_{kind}: dim={dim!r} is out of range for a {nd}-D source {_shape_str(ss)}")
+        dim %= nd
+        want = ss[:dim] + ss[dim + 1:]
+        if _squeeze(want) != _squeeze(ds):
+            raise CompileError(f"T.reduce_{kind}: reducing {_shape_str(ss)} over dim {dim} gives {_shape_str(want)}, "
+                               f"but the destination is {_shape_str(ds)}")
+        b.emit(S.Reduce(kind, s, d, dim, bool(clear)))
+    reduce_op.__name__ = f"reduce_{kind}"
+    reduce_op.__doc__ = (f"dst = {kind} of src over ``dim`` (dst has src's shape without it); clear=False combines "
+                         "with dst's current values.")
+    return reduce_op
+
+
+reduce_sum, reduce_max, reduce_min, reduce_abssum, reduce_absmax = (
+    _reduce(k) for k in ("sum", "max", "min", "abssum", "absmax"))
+
+
+def _atomic(kind):
+    def atomic_op(dst, value, memory_order=None, return_prev=False, use_tma=False, **_hints):
+        b = kernel_builder()
+        if return_prev:
+            raise CompileError(f"T.atomic_{kind}: return_prev=True is not supported")
+        vshape = _operand_shape(value)
+        d = as_region(dst, vshape if isinstance(dst, E.Load) and vshape is not None else None)
+        if isinstance(dst, E.Load) and vshape is None:
+            d = Region(d.buffer, d.starts, (1,) * d.buffer.ndim, (False,) * d.buffer.ndim)
+        if vshape is not None:
+            v = as_region(value)
+            if _squeeze(_const_shape(v, "T.atomic")) != _squeeze(_const_shape(d, "T.atomic")):
+                raise CompileError(f"T.atomic_{kind}: value tile {_shape_str(v.shape)} does not match destination "
+                                   f"{_shape_str(d.shape)}")
+            value = v
+        else:
+            value = E.cast(E.as_expr(value, like=d.dtype), d.dtype)
+        if d.buffer.scope in ("fragment", "local", "local.var"):
+            raise CompileError(f"T.atomic_{kind}: the destination must be global or shared memory")
+        b.emit(S.Atomic(kind, d, value))
+    atomic_op.__name__ = f"atomic_{kind}"
+    atomic_op.__doc__ = f"dst = {kind}(dst, value) atomically, elementwise over a tile or on one element."
+    return atomic_op
+
+
+atomic_add, atomic_max, atomic_min = (_atomic(k) for k in ("add", "max", "min"))
