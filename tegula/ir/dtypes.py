@@ -138,3 +138,47 @@ def min_value(dt: DType) -> float | int:
     if dt.is_bool:
         return False
     return -(1 << (dt.bits - 1)) if dt.kind == "int" else 0
+
+
+# exact rounding of Python floats to narrow formats (for typed constants), without numpy -----------------
+
+_FORMATS = {  # name: (exponent bits, mantissa bits, saturate on overflow, has infinity)
+    "float16": (5, 10, False, True), "bfloat16": (8, 7, False, True),
+    "float8_e4m3fn": (4, 3, True, False), "float8_e5m2": (5, 2, False, True),
+}
+
+
+def round_to(value: float, d: DType) -> float:
+    """``value`` rounded to nearest even in ``d`` (float32 first, as a float32 kernel value would be)."""
+    import math
+    import struct
+    if d.name == "float64" or not d.is_float:
+        return value
+    try:
+        value = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        value = math.copysign(math.inf, value)
+    if d.name == "float32" or math.isnan(value):
+        return value
+    if d.name == "float8_e8m0fnu":  # torch: sign dropped, exponent rounded half-up (ties stay at code 0)
+        bits = struct.unpack("I", struct.pack("f", value))[0] & 0x7FFFFFFF
+        e, m = bits >> 23, bits & 0x7FFFFF
+        e += (m > 0x400000) or (m == 0x400000 and e > 0)
+        return math.nan if e >= 255 else 2.0 ** (e - 127)
+    ebits, mbits, saturate, has_inf = _FORMATS[d.name]
+    bias = (1 << (ebits - 1)) - 1
+    top = max_value(d)
+    if math.isinf(value):
+        return math.copysign(top, value) if saturate else value
+    a = abs(value)
+    if a == 0:
+        return value
+    e = max(math.frexp(a)[1] - 1, 1 - bias)  # exponent of the leading bit, clamped to the subnormal range
+    q = a / 2.0 ** (e - mbits)               # the value in units of the last mantissa bit
+    r = math.floor(q)
+    if q - r > 0.5 or (q - r == 0.5 and r % 2 == 1):
+        r += 1
+    out = r * 2.0 ** (e - mbits)
+    if out > top:
+        out = top if saturate else (math.inf if has_inf else math.nan)
+    return math.copysign(out, value)

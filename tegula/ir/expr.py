@@ -91,7 +91,7 @@ class Const(Expr):
         elif dtype.is_int:
             value = _wrap_int(int(value), dtype)
         else:
-            value = float(value)
+            value = dt.round_to(float(value), dtype)
         self.value = value
 
 

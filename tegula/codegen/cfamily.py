@@ -1,0 +1,285 @@
+"""The shared C-like emitter: expressions, statements and buffers for C, OpenCL C and CUDA C++.
+
+Subclasses set spellings (type names, the kernel's signature, how the grid and on-chip buffers are laid out).
+Narrow floats (bf16, fp16, fp8) live in memory as raw bits and in registers as float: a load widens, a store
+narrows, and every arithmetic result is rounded back to the format (``tg_round_*``), the same per-op rounding
+as the interp reference.
+"""
+from __future__ import annotations
+
+import math
+
+from tegula.errors import CompileError
+from tegula.ir import dtypes as dt
+from tegula.ir import expr as E
+from tegula.ir import stmt as S
+from tegula.ir.printer import Namer
+
+STORAGE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+           "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+           "float32": "float", "float64": "double", "float16": "tg_f16", "bfloat16": "tg_bf16",
+           "float8_e4m3fn": "tg_f8e4m3", "float8_e5m2": "tg_f8e5m2", "float8_e8m0fnu": "tg_f8e8m0"}
+SUFFIX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2",
+          "float8_e8m0fnu": "f8e8m0"}
+_MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt",
+         "tanh": "tanh", "erf": "erf", "pow": "pow", "floor": "floor", "ceil": "ceil", "abs": "fabs", "sin": "sin",
+         "cos": "cos", "trunc": "trunc", "round": "round", "fmod": "fmod"}
+_CMP = {"<", "<=", ">", ">=", "==", "!="}
+KEYWORDS = {"int", "float", "double", "char", "short", "long", "if", "else", "for", "while", "do", "return", "void",
+            "const", "static", "inline", "restrict", "bool", "true", "false", "auto", "break", "case", "continue",
+            "default", "enum", "extern", "goto", "register", "signed", "sizeof", "struct", "switch", "typedef",
+            "union", "unsigned", "volatile", "main", "half", "kernel", "global", "local", "private", "new", "delete",
+            "this", "class", "template", "namespace", "using", "operator", "friend", "public", "virtual"}
+
+
+def reg_type(d: dt.DType) -> str:
+    """The C type a value of ``d`` has in registers."""
+    return "float" if d.is_narrow_float else STORAGE[d.name]
+
+
+def c_float(v: float, d: dt.DType) -> str:
+    f = "" if d == dt.float64 else "f"
+    if math.isnan(v):
+        return "NAN" if f else "((double)NAN)"
+    if math.isinf(v):
+        return ("INFINITY" if v > 0 else "(-INFINITY)") if f else ("((double)INFINITY)" if v > 0 else
+                                                                  "(-(double)INFINITY)")
+    return f"{float(v).hex()}{f}" if v >= 0 else f"(-{float(-v).hex()}{f})"
+
+
+class CFamilyEmitter:
+    restrict = "__restrict__"
+
+    def __init__(self, func: S.PrimFunc):
+        self.func = func
+        self.nm = Namer()
+        self.nm.reserve(*KEYWORDS)
+        self.lines: list[str] = []
+        self.ind = 0
+        self.uses_gemm: set[str] = set()
+
+    def w(self, line: str) -> None:
+        self.lines.append("  " * self.ind + line)
+
+    # expressions -------------------------------------------------------------------------------
+    def ex(self, e) -> str:
+        if isinstance(e, E.Const):
+            return self.const(e)
+        if isinstance(e, E.Var):
+            return self.nm(e)
+        if isinstance(e, E.Load):
+            raw = f"{self.nm(e.buffer)}[{self.flat(e.buffer, e.indices)}]"
+            return f"tg_{SUFFIX[e.dtype.name]}_to_f32({raw})" if e.dtype.is_narrow_float else raw
+        if isinstance(e, E.Cast):
+            return self.cast(e)
+        if isinstance(e, E.BinOp):
+            return self.binop(e)
+        if isinstance(e, E.UnOp):
+            a = self.ex(e.a)
+            if e.op == "not":
+                return f"(!{a})"
+            if e.op == "neg":
+                return f"(-{a})" if e.dtype.is_float or e.dtype.bits >= 32 else f"(({reg_type(e.dtype)})(-{a}))"
+            return f"(({reg_type(e.dtype)})(~{a}))"
+        if isinstance(e, E.Select):
+            return f"({self.ex(e.cond)} ? {self.ex(e.a)} : {self.ex(e.b)})"
+        if isinstance(e, E.Call):
+            return self.call(e)
+        raise CompileError(f"cannot emit {type(e).__name__} as C")
+
+    def const(self, c: E.Const) -> str:
+        d = c.dtype
+        if d.is_bool:
+            return "true" if c.value else "false"
+        if d.is_float:
+            return c_float(c.value, dt.float64 if d == dt.float64 else dt.float32)
+        if d.bits == 64:
+            v = c.value
+            return f"INT64_C({v})" if d.kind == "int" and v != -(1 << 63) else (
+                "INT64_MIN" if d.kind == "int" else f"UINT64_C({v})")
+        if d.kind == "int" and c.value == -(1 << 31):
+            return "INT32_MIN"
+        return f"(({STORAGE[d.name]}){c.value})" if d.bits < 32 else (f"{c.value}u" if d.kind == "uint" else
+                                                                       str(c.value))
+
+    def round(self, d: dt.DType, text: str) -> str:
+        return f"tg_round_{SUFFIX[d.name]}({text})" if d.is_narrow_float else text
+
+    def binop(self, e: E.BinOp) -> str:
+        op, t = e.op, e.a.dtype
+        a, b = self.ex(e.a), self.ex(e.b)
+        if op == "and":
+            return f"({a} && {b})"
+        if op == "or":
+            return f"({a} || {b})"
+        if op in _CMP:
+            return f"({a} {op} {b})"
+        if t.is_float:
+            f = "" if t == dt.float64 else "f"
+            if op in ("min", "max"):
+                out = f"fm{op[1:]}{f}({a}, {b})"
+            elif op == "//":
+                out = f"floor{f}({a} / {b})"
+            elif op == "%":
+                out = f"tg_pymod{f or 'd'}({a}, {b})"
+            else:
+                out = f"({a} {op} {b})"
+            return self.round(t, out)
+        ct = reg_type(t)
+        w = "i64" if t.bits == 64 else "i32"
+        if op in ("min", "max"):
+            out = f"TG_{op.upper()}({a}, {b})"
+        elif op == "//":
+            out = f"tg_floordiv_{w}({a}, {b})" if t.kind == "int" else f"tg_udiv({a}, {b})"
+        elif op == "%":
+            out = f"tg_floormod_{w}({a}, {b})" if t.kind == "int" else f"tg_umod({a}, {b})"
+        elif op == "/":
+            out = f"tg_truncdiv_{w}({a}, {b})" if t.kind == "int" else f"tg_udiv({a}, {b})"
+        else:
+            out = f"({a} {op} {b})"
+        return f"(({ct}){out})" if t.bits < 32 or op in ("//", "%", "/") else out
+
+    def cast(self, e: E.Cast) -> str:
+        src, d = e.value.dtype, e.dtype
+        a = self.ex(e.value)
+        if d.is_bool:
+            return f"({a} != 0)"
+        if d.is_narrow_float:
+            return self.round(d, f"((float){a})")
+        if d.is_float:
+            return f"(({reg_type(d)}){a})"
+        if src.is_float:  # float -> int: truncate toward zero, saturate, NaN gives 0
+            lo, hi = dt.min_value(d), dt.max_value(d)
+            return f"(({reg_type(d)})tg_f2i((double){a}, {float(lo).hex()}, {float(hi).hex()}))"
+        return f"(({reg_type(d)}){a})"
+
+    def call(self, e: E.Call) -> str:
+        args = [self.ex(a) for a in e.args]
+        t = e.dtype
+        if e.name in ("isnan", "isinf"):
+            return f"{e.name}({args[0]})"
+        if e.name == "popcount":
+            return f"(({reg_type(t)})__builtin_popcountll((uint64_t){args[0]}))"
+        if not t.is_float:
+            if e.name == "abs":
+                return f"TG_ABS({args[0]})"
+            raise CompileError(f"T.{e.name} needs a float argument, got {t}")
+        f = "" if t == dt.float64 else "f"
+        if e.name == "rsqrt":
+            out = f"(1.0{f} / sqrt{f}({args[0]}))"
+        elif e.name == "sigmoid":
+            out = f"(1.0{f} / (1.0{f} + exp{f}(-{args[0]})))"
+        else:
+            out = f"{_MATH[e.name]}{f}({', '.join(args)})"
+        return self.round(t, out)
+
+    def flat(self, buf, indices) -> str:
+        """Row-major offset of ``indices`` (64-bit arithmetic for global tensors)."""
+        dims = [self.ex(E.as_expr(d)) for d in buf.shape]
+        idx = [self.ex(i) for i in indices]
+        if not idx:
+            return "0"
+        out = f"(int64_t){idx[0]}" if buf.is_global else idx[0]
+        for i, d in zip(idx[1:], dims[1:]):
+            out = f"({out} * {d} + {i})"
+        return out
+
+    def store_value(self, buf, value: E.Expr) -> str:
+        v = self.ex(value)
+        return f"tg_f32_to_{SUFFIX[buf.dtype.name]}({v})" if buf.dtype.is_narrow_float else v
+
+    # statements --------------------------------------------------------------------------------
+    def stmt(self, s) -> None:
+        try:
+            getattr(self, "stmt_" + type(s).__name__)(s)
+        except CompileError as err:
+            raise err.with_loc(s.loc)
+
+    def stmt_Seq(self, s):
+        for c in s.body:
+            self.stmt(c)
+
+    def block(self, s) -> None:
+        self.ind += 1
+        if s is not None:
+            self.stmt(s)
+        self.ind -= 1
+
+    def stmt_If(self, s: S.If):
+        self.w(f"if ({self.ex(s.cond)}) {{")
+        self.block(s.then)
+        if s.orelse is not None:
+            self.w("} else {")
+            self.block(s.orelse)
+        self.w("}")
+
+    def stmt_While(self, s: S.While):
+        self.w(f"while ({self.ex(s.cond)}) {{")
+        self.block(s.body)
+        self.w("}")
+
+    def stmt_Store(self, s: S.Store):
+        self.w(f"{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}] = {self.store_value(s.buffer, s.value)};")
+
+    def stmt_Assign(self, s: S.Assign):
+        decl = f"{reg_type(s.var.dtype)} " if s.declare else ""
+        self.w(f"{decl}{self.nm(s.var)} = {self.ex(s.value)};")
+
+    def stmt_Alloc(self, s: S.Alloc):
+        pass  # on-chip buffers are declared by the kernel prologue
+
+    def stmt_For(self, s: S.For):
+        for pragma in self.loop_pragmas(s):
+            self.w(pragma)
+        v = self.nm(s.var)
+        start, ext = self.ex(s.start), self.ex(s.extent)
+        bound = ext if start == "0" else f"{start} + {ext}"
+        self.w(f"for (int32_t {v} = {start}; {v} < {bound}; ++{v}) {{")
+        self.block(s.body)
+        self.w("}")
+
+    def loop_pragmas(self, s: S.For) -> list[str]:
+        return []
+
+    def stmt_AtomicElem(self, s: S.AtomicElem):
+        ptr = f"&{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}]"
+        t = s.buffer.dtype
+        if t.is_narrow_float:
+            suffix = SUFFIX[t.name]
+        elif t.is_float:
+            suffix = "f32" if t == dt.float32 else "f64"
+        else:
+            suffix = ("i" if t.kind == "int" else "u") + str(t.bits)
+        self.w(f"tg_atomic_{s.kind}_{suffix}({ptr}, {self.ex(s.value)});")
+
+    def stmt_ExternGemm(self, s: S.ExternGemm):
+        a, b, c = s.a, s.b, s.c
+        name = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3",
+                "float8_e5m2": "f8e5m2", "int8": "i8"}[a.dtype.name]
+        self.uses_gemm.add(name)
+        m, n = (int(E.const_value(x)) for x in _tile2(c))
+        k = int(E.const_value(_tile2(a)[0 if s.trans_a else 1]))
+        self.w(f"tg_gemm_{name}({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, "
+               f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
+
+    def operand(self, rg) -> str:
+        """``ptr, ld`` of a 2-D tile of a row-major buffer."""
+        buf = rg.buffer
+        kept = [d for d, e in enumerate(rg.extents) if E.const_value(e) != 1]
+        kept = kept if len(kept) == 2 else [d for d, k in enumerate(rg.keep) if k][-2:]
+        if len(kept) != 2 or kept[1] != buf.ndim - 1 and any(
+                E.const_value(buf.shape[d]) != 1 for d in range(kept[1] + 1, buf.ndim)):
+            raise CompileError(f"T.gemm: the tile of {buf.name} must have its columns along the buffer's last dim")
+        ld = 1
+        for d in range(kept[0] + 1, buf.ndim):
+            ld *= int(E.const_value(buf.shape[d]))
+        off = self.flat(buf, [E.as_expr(x) for x in rg.starts])
+        return f"&{self.nm(buf)}[{off}], {ld}"
+
+
+def _tile2(rg):
+    ext = [e for e in rg.extents if E.const_value(e) != 1]
+    if len(ext) == 2:
+        return ext
+    kept = [e for e, k in zip(rg.extents, rg.keep) if k]
+    return kept[-2:] if len(kept) >= 2 else [1] * (2 - len(ext)) + ext

@@ -1,0 +1,21 @@
+"""The pass order of each target family."""
+from __future__ import annotations
+
+from tegula.passes import check_program, lower_tile_ops
+
+PIPELINES = {
+    "interp": [check_program.run],
+    "cpu": [check_program.run, lower_tile_ops.run],
+}
+
+
+def run_pipeline(func, target):
+    """Run ``target.family``'s passes over ``func``; with TEGULA_DEBUG>=2 the verifier runs after each."""
+    from tegula import config
+    debug = config.get().debug >= 2
+    for p in PIPELINES[target.family]:
+        func = p(func, target)
+        if debug:
+            from tegula.passes.verify import verify
+            verify(func, after=p.__module__)
+    return func

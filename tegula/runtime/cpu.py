@@ -1,0 +1,135 @@
+"""The ``c`` runtime: C source -> shared library (the machine's C compiler, OpenMP) -> a ctypes launcher."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from tegula import config
+from tegula.errors import CompileError
+
+PRELUDE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "codegen", "prelude")
+BASE_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fwrapv", "-ffp-contract=off",
+              "-fno-math-errno", "-fvisibility=hidden"]
+_CTYPES = {"p": ctypes.c_void_p, "bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
+           "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8, "uint16": ctypes.c_uint16,
+           "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64, "float32": ctypes.c_float,
+           "float64": ctypes.c_double}
+
+
+def compiler() -> str:
+    return config.get().cc
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_info(cc: str) -> tuple[str, bool]:
+    """(identity line, whether it links OpenMP)."""
+    path = shutil.which(cc)
+    if path is None:
+        raise CompileError(f"C compiler {cc!r} not found; install gcc or clang, or set TEGULA_CC")
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CompileError(f"C compiler {cc!r} does not run: {e}") from None
+    ident = (out.splitlines() or [cc])[0]
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint f(void){return omp_get_max_threads();}\n")
+        r = subprocess.run([cc, "-fopenmp", "-shared", "-fPIC", src, "-o", os.path.join(d, "t.so")],
+                           capture_output=True, timeout=60)
+    return ident, r.returncode == 0
+
+
+@functools.lru_cache(maxsize=None)
+def host_isa() -> str:
+    """What -march=native will target: the machine and its CPU feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        pass
+    return platform.machine() + ":" + hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def available() -> tuple[bool, str]:
+    cc = compiler()
+    try:
+        ident, omp = _compiler_info(cc)
+    except CompileError as e:
+        return False, str(e)
+    return True, f"{ident}{'' if omp else ' (no OpenMP: grids run on one core)'}"
+
+
+def flags() -> list[str]:
+    _, omp = _compiler_info(compiler())
+    extra = config.get().cflags.split()
+    return BASE_FLAGS + (["-fopenmp"] if omp else []) + ["-I", PRELUDE_DIR] + extra
+
+
+def identity() -> str:
+    """Everything about the toolchain a binary depends on (part of the cache key)."""
+    cc = compiler()
+    ident, _ = _compiler_info(cc)
+    return "|".join([cc, ident, " ".join(flags()), host_isa(), _prelude_hash()])
+
+
+@functools.lru_cache(maxsize=None)
+def _prelude_hash() -> str:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(PRELUDE_DIR)):
+        if name.endswith(".h"):
+            with open(os.path.join(PRELUDE_DIR, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
+def build(source: str, out_path: str, name: str = "kernel") -> None:
+    """Compile ``source`` into the shared library ``out_path``."""
+    d = os.path.dirname(out_path)
+    src = os.path.join(d, f".{os.path.basename(out_path)}.{os.getpid()}.c")
+    with open(src, "w") as f:
+        f.write(source)
+    cmd = [compiler(), *flags(), src, "-o", out_path, "-lm"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        os.unlink(src)
+    if r.returncode != 0:
+        raise CompileError(f"the C compiler failed on kernel {name!r} (this is a tegula bug or an unsupported "
+                           "construct; the generated source is available from tegula.lower(...).kernel_source)",
+                           detail=f"$ {' '.join(cmd)}\n{r.stderr}")
+
+
+class CpuProgram:
+    """A loaded kernel: ``launch(*args)`` with ints for pointers and Python scalars, per ``signature``."""
+
+    def __init__(self, path: str, name: str, signature: list[str]):
+        self.lib = ctypes.CDLL(path)
+        self.fn = getattr(self.lib, f"tg_{name}")
+        self.fn.argtypes = [_CTYPES[s] for s in signature]
+        self.fn.restype = None
+        n = config.get().num_threads
+        self.lib.tg_set_num_threads(ctypes.c_int(n if n > 0 else _default_threads()))
+        self.launch = self.fn
+
+
+def _default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load(path: str, name: str, signature: list[str]) -> CpuProgram:
+    return CpuProgram(path, name, signature)

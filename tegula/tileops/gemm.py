@@ -1,0 +1,28 @@
+"""T.gemm: the dtype rules every target shares, and the CPU family's lowering to a prelude routine call."""
+from __future__ import annotations
+
+from tegula.errors import CompileError
+from tegula.ir import stmt as S
+from tegula.tileops import lowers
+
+FLOAT_INPUTS = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def check_gemm_dtypes(s: S.Gemm) -> None:
+    """Raise CompileError for a dtype combination no target implements."""
+    a, b, c = s.a.dtype, s.b.dtype, s.c.dtype
+    if a != b:
+        raise CompileError(f"T.gemm: A is {a} but B is {b}; both operands must have one dtype (T.copy one of "
+                           "them into a tile of the other's dtype first)", s.loc)
+    if a.name in FLOAT_INPUTS and c.name != "float32":
+        raise CompileError(f"T.gemm: {a} operands accumulate into a float32 C, got {c}", s.loc)
+    if a.name == "int8" and c.name != "int32":
+        raise CompileError(f"T.gemm: int8 operands accumulate into an int32 C, got {c}", s.loc)
+    if a.name not in FLOAT_INPUTS + ("int8",):
+        raise CompileError(f"T.gemm: {a} operands are not supported (float32, float16, bfloat16, float8 or int8)",
+                           s.loc)
+
+
+@lowers(S.Gemm, "cpu")
+def lower_gemm(s: S.Gemm) -> S.Stmt:
+    return S.ExternGemm(s.a, s.b, s.c, s.trans_a, s.trans_b, s.clear, loc=s.loc)
