@@ -27,10 +27,8 @@ def lower(func, target=None, **options):
 def jit(fn=None, *, out_idx=None, target=None, **options):
     """``@tegula.jit(out_idx=...)`` on a factory: its arguments are compile-time parameters and it returns a
     ``T.prim_func``; calling the decorated factory returns the compiled kernel, cached per argument tuple."""
-    from tegula.jit import JitFactory
-    if fn is None:
-        return lambda f: JitFactory(f, out_idx=out_idx, target=target, options=options)
-    return JitFactory(fn, out_idx=out_idx, target=target, options=options)
+    from tegula.jit import jit as _jit
+    return _jit(fn, out_idx=out_idx, target=target, **options)
 
 
 __all__ = ["CompileError", "compile", "jit", "lower", "__version__"]

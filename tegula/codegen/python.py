@@ -45,9 +45,9 @@ class PythonEmitter:
         self.tmp += 1
         return f"{base}{self.tmp}"
 
-    def emit(self) -> str:
+    def emit(self, symbols: list) -> str:
         f = self.func
-        names = [self.nm(p) for p in f.params]
+        names = [self.nm(p) for p in list(f.params) + list(symbols)]
         for p in f.params:
             if not isinstance(p, E.Var):
                 self.nm.reserve(self.nm(p))
@@ -64,7 +64,7 @@ class PythonEmitter:
     def const(self, c: E.Const) -> str:
         key = (c.dtype.name, repr(c.value))
         if key not in self.consts:
-            self.consts[key] = (f"_k{len(self.consts)}", f"_scalar({c.value!r}, '{c.dtype}')")
+            self.consts[key] = (f"_k{len(self.consts)}", f"_scalar({_py_literal(c.value)}, '{c.dtype}')")
         return self.consts[key][0]
 
     def is_varying(self, e) -> bool:
@@ -321,6 +321,13 @@ class PythonEmitter:
         self.w(f"_atomic('{s.kind}', ({self._region(s.dst)}), {value})")
 
 
-def emit_python(func: S.PrimFunc) -> str:
-    """The interp program of ``func``: a module defining one function named like the kernel."""
-    return PythonEmitter(func).emit()
+def _py_literal(v) -> str:
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return f"float('{v}')"
+    return repr(v)
+
+
+def emit_python(func: S.PrimFunc, symbols: list) -> str:
+    """The interp program of ``func``: a module defining one function named like the kernel, taking the
+    parameters and then the symbolic dims."""
+    return PythonEmitter(func).emit(symbols)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from tegula.errors import CompileError
 from tegula.ir import expr as E
 from tegula.ir.dtypes import DType
+from tegula.ir.simplify import const_difference
 
 SCOPES = ("global", "shared", "fragment", "local", "local.var")
 
@@ -77,7 +78,7 @@ class Region:
                     raise CompileError(f"{buffer.name}: slices with a step are not supported in tile regions")
                 lo = 0 if i.start is None else i.start
                 hi = buffer.shape[d] if i.stop is None else i.stop
-                ext = E.const_value(E.binop("-", hi, lo) if (E.is_expr(hi) or E.is_expr(lo)) else hi - lo)
+                ext = const_difference(hi, lo)
                 if ext is None:
                     raise CompileError(f"{buffer.name}[{lo}:{hi}]: the extent of a tile region must be a "
                                        "compile-time constant (write the start and a constant length)")

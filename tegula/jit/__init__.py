@@ -50,7 +50,7 @@ def lower_func(func, target=None, options=None) -> Lowered:
     lowered = run_pipeline(func, tgt)
     mod, fn = tgt.emitter.split(":")
     emit = getattr(importlib.import_module(mod), fn)
-    source = emit(lowered, symbols) if tgt.args == "pointer" else emit(lowered)
+    source = emit(lowered, symbols)
     _dump(func, lowered, source, tgt)
     return Lowered(func, lowered, source, tgt, symbols)
 
@@ -143,3 +143,22 @@ class JitFactory:
 
     def get_tir(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
+
+
+def jit(fn=None, *, out_idx=None, target=None, **options):
+    """``@tegula.jit(out_idx=...)``: see ``tegula.jit``'s docstring in tegula/__init__.py."""
+    if fn is None:
+        return lambda f: JitFactory(f, out_idx=out_idx, target=target, options=options)
+    return JitFactory(fn, out_idx=out_idx, target=target, options=options)
+
+
+class _CallableModule(type(os)):
+    """Importing the subpackage ``tegula.jit`` rebinds the attribute ``tegula.jit``; keep it a decorator."""
+
+    def __call__(self, fn=None, **kwargs):
+        return jit(fn, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -58,6 +58,8 @@ class Binder:
                 continue
             any_torch |= self._check_tensor(p, a, values)
             full[pos] = a
+        if not any(not isinstance(self.params[i], E.Var) for i in self.inputs):
+            any_torch = _torch_available()  # no tensor to take the kind from: torch, like TileLang, if present
         outs = []
         for pos in sorted(self.out_idx):
             p = self.params[pos]
@@ -135,6 +137,14 @@ class Binder:
         import numpy as np
         from tegula.runtime.interp import np_dtype
         return np.empty(shape, np_dtype(dtype_name))
+
+
+def _torch_available() -> bool:
+    try:
+        torch_mod()
+        return True
+    except ImportError:
+        return False
 
 
 def _shape_str(shape) -> str:

@@ -2,13 +2,15 @@
 
 Nothing here knows any target. ``@T.prim_func`` parses a kernel into IR at decoration time.
 """
+import sys
+
 from tegula.ir.dtypes import (  # noqa: F401
     bfloat16, bool_ as bool, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float16, float32, float64, int8, int16,
     int32, int64, uint8, uint16, uint32, uint64,
 )
 from tegula.language.parser import Macro, parse
 from tegula.language.surface import (  # noqa: F401
-    Cast, Kernel, Parallel, Pipelined, Tensor, abs, alloc_fragment, alloc_local, alloc_shared, alloc_var,
+    Cast, GemmWarpPolicy, Kernel, Parallel, Pipelined, Tensor, abs, alloc_fragment, alloc_local, alloc_shared, alloc_var,
     annotate_l2_hit_ratio, annotate_layout, annotate_padding, cast, ceil, ceildiv, clamp, cos, disable_warp_group_reg_alloc,
     dynamic, erf, exp, exp2, floor, floordiv, floormod, grid, if_then_else, infinity, isinf, isnan, log, log2, log10,
     make_swizzled_layout, max, max_value, min, min_value, no_set_max_nreg, pow, rsqrt, serial, set_max_nreg, sigmoid,
@@ -26,13 +28,15 @@ FP8 = float8_e4m3fn
 
 def prim_func(fn=None, *, private=False):
     """Parse ``fn`` (annotated with ``T.Tensor`` parameters) into a kernel function (a ``PrimFunc``)."""
+    caller = dict(sys._getframe(1).f_locals)
     if fn is None:
-        return lambda f: parse(f)
-    return parse(fn)
+        return lambda f: parse(f, caller)
+    return parse(fn, caller)
 
 
 def macro(fn=None, *, hygienic=True):
     """A helper whose body is inlined at each call site inside a kernel."""
+    caller = dict(sys._getframe(1).f_locals)
     if fn is None:
-        return lambda f: Macro(f)
-    return Macro(fn)
+        return lambda f: Macro(f, caller)
+    return Macro(fn, caller)

@@ -46,7 +46,8 @@ class _Return(Exception):
 class Source:
     """A Python function's parsed source with its file and first line."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, frame_locals: dict | None = None):
+        self.frame_locals = frame_locals or {}
         try:
             lines, first = inspect.getsourcelines(fn)
         except (OSError, TypeError) as e:
@@ -63,6 +64,7 @@ class Source:
         """The Python values the function can see: globals, then closure cells, then builtins."""
         env = dict(vars(builtins))
         env.update(self.fn.__globals__)
+        env.update(self.frame_locals)  # the defining scope: names used only in annotations are not closure cells
         code, cells = self.fn.__code__, self.fn.__closure__ or ()
         for name, cell in zip(code.co_freevars, cells):
             try:
@@ -289,7 +291,7 @@ class Parser:
         t = node.target
         if isinstance(t, ast.Name):
             cur = self.lookup(t.id, node)
-            old = cur.as_expr() if isinstance(cur, Buffer) and cur.scope == "local.var" else cur
+            old = _VarRef(cur).as_expr() if isinstance(cur, Buffer) and cur.scope == "local.var" else _val(cur)
             self.assign_name(t.id, op(old, self.eval(node.value)), node)
         elif isinstance(t, ast.Subscript):
             obj = self.eval(t.value)
@@ -569,15 +571,16 @@ _BUILTIN_TO_T = {builtins.max: surface.max, builtins.min: surface.min, builtins.
 class Macro:
     """``@T.macro``: a helper whose body is inlined at each call site inside a kernel."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, frame_locals=None):
         self.fn = fn
+        self.frame_locals = frame_locals
         self._src = None
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
 
     def source(self) -> Source:
         if self._src is None:
-            self._src = Source(self.fn)
+            self._src = Source(self.fn, self.frame_locals)
         return self._src
 
     def __call__(self, *args, **kwargs):
@@ -600,6 +603,7 @@ def _current_parser():
     return _parser_state["current"]
 
 
-def parse(fn) -> S.PrimFunc:
-    """Parse a Python function written in the tile language into a PrimFunc."""
-    return Parser(Source(fn)).parse_prim_func()
+def parse(fn, frame_locals: dict | None = None) -> S.PrimFunc:
+    """Parse a Python function written in the tile language into a PrimFunc; ``frame_locals`` are the
+    defining scope's local values (annotations may use names the body does not)."""
+    return Parser(Source(fn, frame_locals)).parse_prim_func()

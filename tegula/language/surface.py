@@ -236,7 +236,7 @@ def ceildiv(a, b):
     """ceil(a / b) for integers."""
     if isinstance(a, int) and isinstance(b, int):
         return -(-a // b)
-    return E.binop("//", E.binop("+", a, E.binop("-", b, 1)), b)
+    return E.binop("//", E.binop("+", a, b - 1 if isinstance(b, int) else E.binop("-", b, 1)), b)
 
 
 def floordiv(a, b):
@@ -289,3 +289,8 @@ annotate_l2_hit_ratio = sync_threads = annotate_padding = _hint
 
 def make_swizzled_layout(*args, **kwargs):
     return None
+
+
+class GemmWarpPolicy:
+    """How SIMT targets split a T.gemm over warps; a performance hint."""
+    Square, FullRow, FullCol = "Square", "FullRow", "FullCol"

@@ -16,8 +16,10 @@
  *   B as kc rows of NR contiguous floats, so an fp32 B without transB is read in place where the
  *     kernel can mask its loads (AVX-512).
  * Anything else (narrow or integer inputs, transB) is first converted into a float panel on the
- * stack. int8 products are exact in fp32 and a chunk's sum stays below 2^24 (KC * 2^14 = 2^21),
- * so each chunk is exact in fp32 before it is added into the int32 C.
+ * stack (up to 96 KiB per call). An fp32 A @ B^T with at most MR rows skips the panel and takes dot
+ * products along K instead. int8 products are exact in fp32 and a chunk's sum stays below 2^24
+ * (KC * 2^14 = 2^21), so each chunk is exact in fp32 before it is added into the int32 C.
+ * C must not overlap A or B.
  */
 #ifndef TEGULA_GEMM_H
 #define TEGULA_GEMM_H

@@ -1,0 +1,164 @@
+"""The prelude's tile GEMM (tegula/codegen/prelude/tegula_gemm.h) against numpy in float64.
+
+A tiny driver exports tg_gemm_<dt> with runtime arguments, plus a few calls with constant shapes
+(as generated kernels make them, so gcc specialises the inlined routine). It is built twice: with
+the target's own path (AVX-512 where the host has it) and with the portable path forced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen", "prelude")
+CC = os.environ.get("TEGULA_CC", "cc")
+CFLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-fwrapv", "-ffp-contract=off"]
+PAD_A, PAD_B, PAD_C = 3, 5, 2  # leading dimensions exceed the rows' widths by these
+
+DTYPES = {  # name: (C input type, C accumulator type)
+    "f32": ("float", "float"),
+    "bf16": ("tg_bf16", "float"),
+    "f16": ("tg_f16", "float"),
+    "f8e4m3": ("tg_f8e4m3", "float"),
+    "f8e5m2": ("tg_f8e5m2", "float"),
+    "i8": ("int8_t", "int32_t"),
+}
+# (dtype, M, N, K, transA, transB): calls compiled with every argument constant
+CONSTANT_CALLS = [
+    ("f32", 17, 33, 7, 1, 1),
+    ("f32", 128, 128, 32, 0, 0),
+    ("bf16", 64, 64, 64, 0, 1),
+    ("i8", 128, 64, 32, 1, 0),
+]
+SHAPES = [
+    (1, 128, 128),
+    (17, 33, 7),
+    (9, 17, 5),
+    (3, 10, 37),
+    (5, 3, 1),
+    (16, 16, 16),
+    (64, 64, 64),
+    (128, 128, 32),
+    (130, 260, 300),
+]
+
+
+def _driver_source() -> str:
+    lines = ['#include "tegula_gemm.h"']
+    for dt, (tin, tc) in DTYPES.items():
+        lines.append(
+            f"void g_{dt}(int M, int N, int K, const {tin} *A, int lda, int tA, const {tin} *B, int ldb,"
+            f" int tB, {tc} *C, int ldc, int clear)"
+            f" {{ tg_gemm_{dt}(M, N, K, A, lda, tA, B, ldb, tB, C, ldc, clear); }}"
+        )
+    for dt, m, n, k, ta, tb in CONSTANT_CALLS:
+        tin, tc = DTYPES[dt]
+        lda, ldb = (m if ta else k) + PAD_A, (k if tb else n) + PAD_B
+        lines.append(
+            f"void c_{dt}_{m}x{n}x{k}_{ta}{tb}(const {tin} *A, const {tin} *B, {tc} *C, int clear)"
+            f" {{ tg_gemm_{dt}({m}, {n}, {k}, A, {lda}, {ta}, B, {ldb}, {tb}, C, {n + PAD_C}, clear); }}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory):
+    if shutil.which(CC) is None:
+        pytest.skip(f"no C compiler ({CC})")
+    tmp = tmp_path_factory.mktemp(f"gemm_{request.param}")
+    (tmp / "driver.c").write_text(_driver_source())
+    extra = ["-U__AVX512F__"] if request.param == "portable" else []
+    so = tmp / "driver.so"
+    cmd = [CC, *CFLAGS, *extra, "-Wall", "-Werror", "-I", PRELUDE, str(tmp / "driver.c"), "-o", str(so)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return ctypes.CDLL(str(so))
+
+
+def _operand(dt: str, rows: int, cols: int, pad: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A rows x (cols + pad) array in dt's storage and the rows x cols values it holds, in float64."""
+    if dt == "i8":
+        bits = rng.integers(-128, 128, size=(rows, cols + pad), dtype=np.int8)
+        return bits, bits[:, :cols].astype(np.float64)
+    x = rng.standard_normal((rows, cols + pad)).astype(np.float32)
+    if dt == "f32":
+        return x, x[:, :cols].astype(np.float64)
+    torch = pytest.importorskip("torch")
+    tdt, view = {
+        "bf16": (torch.bfloat16, torch.int16),
+        "f16": (torch.float16, torch.int16),
+        "f8e4m3": (torch.float8_e4m3fn, torch.uint8),
+        "f8e5m2": (torch.float8_e5m2, torch.uint8),
+    }[dt]
+    t = torch.from_numpy(x).to(tdt)
+    return t.view(view).numpy().copy(), t.float().numpy()[:, :cols].astype(np.float64)
+
+
+def _check(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
+    a, a64 = _operand(dt, *((k, m) if ta else (m, k)), PAD_A, rng)
+    b, b64 = _operand(dt, *((n, k) if tb else (k, n)), PAD_B, rng)
+    ctype = np.int32 if dt == "i8" else np.float32
+    c = rng.integers(-1000, 1000, size=(m, n + PAD_C)) if dt == "i8" else rng.standard_normal((m, n + PAD_C))
+    c = c.astype(ctype)
+    c0 = c.copy()
+    opa, opb = (a64.T if ta else a64), (b64.T if tb else b64)
+    ref = opa @ opb + (0 if clear else c0[:, :n].astype(np.float64))
+    ptr = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
+    if constant:
+        fn(ptr[0], ptr[1], ptr[2], clear)
+    else:
+        fn(m, n, k, ptr[0], a.shape[1], ta, ptr[1], b.shape[1], tb, ptr[2], c.shape[1], clear)
+    where = f"{dt} {m}x{n}x{k} transA={ta} transB={tb} clear={clear}"
+    np.testing.assert_array_equal(c[:, n:], c0[:, n:], err_msg=f"{where}: wrote past the row")
+    if dt == "i8":
+        np.testing.assert_array_equal(c[:, :n], ref.astype(np.int64).astype(np.int32), err_msg=where)
+    else:
+        scale = np.abs(opa) @ np.abs(opb) + (0 if clear else np.abs(c0[:, :n]))
+        bad = np.abs(c[:, :n] - ref) > 1e-5 * (k + 1) * scale + 1e-30
+        assert not bad.any(), f"{where}: {bad.sum()} wrong, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("trans", [(0, 0), (0, 1), (1, 0), (1, 1)], ids=["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gemm_matches_numpy(lib, dt, trans):
+    rng = np.random.default_rng(0)
+    fn = getattr(lib, f"g_{dt}")
+    for m, n, k in SHAPES:
+        for clear in (0, 1):
+            _check(fn, dt, m, n, k, *trans, clear, rng)
+
+
+@pytest.mark.parametrize("call", CONSTANT_CALLS, ids=lambda c: "{}_{}x{}x{}_{}{}".format(*c))
+def test_gemm_constant_arguments(lib, call):
+    dt, m, n, k, ta, tb = call
+    rng = np.random.default_rng(1)
+    for clear in (0, 1):
+        _check(getattr(lib, f"c_{dt}_{m}x{n}x{k}_{ta}{tb}"), dt, m, n, k, ta, tb, clear, rng, constant=True)
+
+
+@pytest.mark.parametrize("dt", ["f32", "i8"])
+def test_gemm_empty_k(lib, dt):
+    """K = 0: clear zeroes C, accumulate leaves it alone."""
+    c = np.full((3, 4 + PAD_C), 7, dtype=np.int32 if dt == "i8" else np.float32)
+    fn = getattr(lib, f"g_{dt}")
+    ptr = c.ctypes.data_as(ctypes.c_void_p)
+    fn(3, 4, 0, None, 1, 0, None, 4, 0, ptr, c.shape[1], 0)
+    assert (c == 7).all()
+    fn(3, 4, 0, None, 1, 0, None, 4, 0, ptr, c.shape[1], 1)
+    assert (c[:, :4] == 0).all() and (c[:, 4:] == 7).all()
+
+
+def test_gemm_int8_is_exact_at_the_extremes(lib):
+    """-128 * -128 summed over K = 2000 (16 chunks) is 32768000: beyond fp32's 2^24, exact per chunk."""
+    k = 2000
+    a = np.full((2, k), -128, dtype=np.int8)
+    b = np.full((k, 3), -128, dtype=np.int8)
+    c = np.full((2, 3), 5, dtype=np.int32)
+    p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
+    lib.g_i8(2, 3, k, p[0], k, 0, p[1], 3, 0, p[2], 3, 0)
+    assert (c == 5 + 128 * 128 * k).all()
