@@ -73,14 +73,14 @@ def main():
     print(f"elementwise_add {args.M}x{args.N} {args.dtype} on {args.target}: matches torch "
           f"(max abs err {(out.float() - ref.float()).abs().max().item():.3g})")
 
-    ms = {
-        name: benchmark.Timer("f(*x)", globals={"f": f, "x": inputs}).blocked_autorange(min_run_time=0.5).median * 1e3
-        for name, f in (("tegula", kernel), ("torch", reference))
+    times = {
+        name: benchmark.Timer("f(*x)", globals={"f": f, "x": x}).blocked_autorange(min_run_time=0.5)
+        for name, f, x in (("tegula", kernel, inputs), ("torch", reference, inputs))
     }
     gbytes = 3 * out.numel() * out.element_size() / 1e9
-    print(f"tegula {ms['tegula']:.3f} ms ({gbytes / ms['tegula'] * 1e3:.1f} GB/s), "
-          f"torch {ms['torch']:.3f} ms ({gbytes / ms['torch'] * 1e3:.1f} GB/s), "
-          f"tegula/torch time ratio {ms['tegula'] / ms['torch']:.2f}")
+    for name, t in times.items():
+        print(f"{name:>6}: {t.median * 1e3:.3f} ms median (IQR {t.iqr * 1e3:.3f} ms), {gbytes / t.median:.3f} GB/s")
+    print(f"tegula/torch time ratio {times['tegula'].median / times['torch'].median:.2f}")
 
 
 if __name__ == "__main__":

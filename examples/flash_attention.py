@@ -153,14 +153,15 @@ def main():
     q, k, v = (t.transpose(1, 2) for t in inputs)
     peers = (("tegula", kernel, inputs),
              ("torch", lambda *x: F.scaled_dot_product_attention(*x, is_causal=args.causal), (q, k, v)))
-    ms = {
-        name: benchmark.Timer("f(*x)", globals={"f": f, "x": x}).blocked_autorange(min_run_time=0.5).median * 1e3
+    times = {
+        name: benchmark.Timer("f(*x)", globals={"f": f, "x": x}).blocked_autorange(min_run_time=0.5)
         for name, f, x in peers
     }
-    flops = 4 * args.batch * args.heads * args.seq_len * args.seq_len * args.dim * (0.5 if args.causal else 1.0)
-    print(f"tegula {ms['tegula']:.3f} ms ({flops / ms['tegula'] / 1e9:.3f} TFLOP/s), "
-          f"torch {ms['torch']:.3f} ms ({flops / ms['torch'] / 1e9:.3f} TFLOP/s), "
-          f"tegula/torch time ratio {ms['tegula'] / ms['torch']:.2f}")
+    causal_fraction = 0.5 if args.causal else 1.0
+    tflops = 4 * args.batch * args.heads * args.seq_len**2 * args.dim * causal_fraction / 1e12
+    for name, t in times.items():
+        print(f"{name:>6}: {t.median * 1e3:.3f} ms median (IQR {t.iqr * 1e3:.3f} ms), {tflops / t.median:.3f} TFLOP/s")
+    print(f"tegula/torch time ratio {times['tegula'].median / times['torch'].median:.2f}")
 
 
 if __name__ == "__main__":

@@ -82,14 +82,14 @@ def main():
           f"(max abs err {(out.float() - ref.float()).abs().max().item():.3g})")
 
     # The peer is torch.matmul on the same inputs (its CPU kernels take fp16/bf16 directly).
-    ms = {
-        name: benchmark.Timer("f(*x)", globals={"f": f, "x": inputs}).blocked_autorange(min_run_time=0.5).median * 1e3
-        for name, f in (("tegula", kernel), ("torch", torch.matmul))
+    times = {
+        name: benchmark.Timer("f(*x)", globals={"f": f, "x": x}).blocked_autorange(min_run_time=0.5)
+        for name, f, x in (("tegula", kernel, inputs), ("torch", torch.matmul, inputs))
     }
     tflops = 2 * args.M * args.N * args.K / 1e12
-    print(f"tegula {ms['tegula']:.3f} ms ({tflops / ms['tegula'] * 1e3:.3f} TFLOP/s), "
-          f"torch {ms['torch']:.3f} ms ({tflops / ms['torch'] * 1e3:.3f} TFLOP/s), "
-          f"tegula/torch time ratio {ms['tegula'] / ms['torch']:.2f}")
+    for name, t in times.items():
+        print(f"{name:>6}: {t.median * 1e3:.3f} ms median (IQR {t.iqr * 1e3:.3f} ms), {tflops / t.median:.3f} TFLOP/s")
+    print(f"tegula/torch time ratio {times['tegula'].median / times['torch'].median:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 per-thread aligned arrays, the innermost T.Parallel loop an ``omp simd`` loop, T.gemm a prelude call."""
 from __future__ import annotations
 
+from tegula.codegen.cfamily import STORAGE, CFamilyEmitter
 from tegula.errors import CompileError
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
-from tegula.codegen.cfamily import STORAGE, CFamilyEmitter
 
 HEAP_THRESHOLD = 64 * 1024  # per-thread on-chip bytes above which buffers come from the heap, not the stack
 

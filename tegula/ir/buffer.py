@@ -40,9 +40,12 @@ class Buffer:
             return Region.from_slices(self, idx)
         return E.Load(self, tuple(E.cast(E.as_expr(i), _index_type(i)) for i in idx))
 
-    def __setitem__(self, idx, value):  # only reachable from plain Python helpers called in a kernel
-        from tegula.language.builder import emit_store
-        emit_store(self, idx, value)
+    store_hook = None  # set by the frontend: `buf[i] = v` in plain Python helpers called from a kernel
+
+    def __setitem__(self, idx, value):
+        if Buffer.store_hook is None:
+            raise CompileError(f"{self.name}[...] = ... is only meaningful inside a kernel")
+        Buffer.store_hook(self, idx, value)
 
     def access_ptr(self, *args, **kwargs):
         raise CompileError("access_ptr is not supported by tegula; pass the buffer itself")

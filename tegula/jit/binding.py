@@ -135,6 +135,7 @@ class Binder:
         if any_torch:
             return torch_mod().empty(shape, dtype=torch_dtype(dtype_name))
         import numpy as np
+
         from tegula.runtime.interp import np_dtype
         return np.empty(shape, np_dtype(dtype_name))
 

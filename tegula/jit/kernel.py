@@ -19,6 +19,11 @@ class JITKernel:
         """The generated source (C for ``c``, Python/numpy for ``interp``)."""
         return self.source
 
+    def get_profiler(self, **dims):
+        """A profiler over random inputs (give symbolic dims as keywords): ``.do_bench()`` -> median ms."""
+        from tegula.jit.profiler import Profiler
+        return Profiler(self, dims)
+
     def get_ir(self) -> str:
         """The kernel's IR as text, before lowering."""
         return self.func.script()

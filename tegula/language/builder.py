@@ -61,3 +61,11 @@ def emit_store(buffer, idx, value) -> None:
         raise CompileError(f"assignment to a slice of {buffer.name} is not supported; use T.fill or T.copy, "
                            "or a T.Parallel loop")
     current().emit(S.Store(buffer, load.indices, E.cast(E.as_expr(value, like=buffer.dtype), buffer.dtype)))
+
+
+def _install_store_hook():
+    from tegula.ir.buffer import Buffer
+    Buffer.store_hook = staticmethod(emit_store)
+
+
+_install_store_hook()

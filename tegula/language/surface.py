@@ -9,7 +9,6 @@ from tegula.ir import expr as E
 from tegula.ir.buffer import Buffer
 from tegula.language.builder import current, kernel_builder
 
-
 # parameters ------------------------------------------------------------------------------------
 
 class TensorType:

@@ -10,19 +10,11 @@ import torch
 import tegula
 import tegula.language as T
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "int8": torch.int8,
-}
-
 
 def random_tensor(shape, dtype):
     if dtype.startswith("int"):
-        return torch.randint(-100, 100, shape, dtype=TORCH_DTYPES[dtype])
-    return torch.randn(shape).to(TORCH_DTYPES[dtype])
+        return torch.randint(-100, 100, shape, dtype=getattr(torch, dtype))
+    return torch.randn(shape).to(getattr(torch, dtype))
 
 
 # --- T.copy ---------------------------------------------------------------------------------
@@ -161,8 +153,31 @@ def test_copy_out_of_bounds_reads_zero_and_drops_writes(target):
     assert torch.all(storage[M * N:] == -7.0)
 
 
+def test_copy_tile_entirely_past_the_end(target):
+    # The grid has one block more than the data needs: its tile reads all zeros and stores nothing.
+    N, block, grid = 10, 4, 4
+
+    @T.prim_func
+    def main(A: T.Tensor((N,), "float32"), Tiles: T.Tensor((grid, block), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(grid) as bx:
+            tile = T.alloc_fragment((block,), "float32")
+            T.copy(A[bx * block], tile)
+            T.copy(tile, Tiles[bx, :])
+            for i in T.Parallel(block):
+                tile[i] = tile[i] * 2.0
+            T.copy(tile, B[bx * block])
+
+    a = torch.randn(N)
+    storage = torch.full((N + 2 * block,), -7.0)
+    b = storage[:N]
+    tiles = tegula.compile(main, out_idx=[1], target=target)(a, b)
+    assert torch.equal(tiles, torch.cat([a, torch.zeros(grid * block - N)]).view(grid, block))
+    assert torch.equal(b, a * 2)
+    assert torch.all(storage[N:] == -7.0)
+
+
 def conversion_probe_values():
-    """float32 values that exercise rounding to 16-bit floats: ties, overflow, subnormals."""
+    """float32 values that exercise rounding to narrow floats: ties, overflow, subnormals."""
     special = torch.tensor(
         [
             0.0, -0.0, 1.0, -1.0,
@@ -178,8 +193,8 @@ def conversion_probe_values():
     return torch.cat([special, scaled.flatten()])[: 12 * 16].view(12, 16)
 
 
-@pytest.mark.parametrize("low", ["bfloat16", "float16"])
-def test_copy_converts_float32_to_16bit_bit_exact(target, low):
+@pytest.mark.parametrize("low", ["bfloat16", "float16", "float8_e4m3fn"])
+def test_copy_converts_float32_to_narrow_bit_exact(target, low):
     M, N = 12, 16
 
     @T.prim_func
@@ -188,15 +203,16 @@ def test_copy_converts_float32_to_16bit_bit_exact(target, low):
             a_frag = T.alloc_fragment((M, N), "float32")
             a_low = T.alloc_shared((M, N), low)
             T.copy(A, a_frag)
-            T.copy(a_frag, B)  # fragment float32 -> global 16-bit
-            T.copy(A, a_low)  # global float32 -> shared 16-bit
-            T.copy(a_low, C)  # shared 16-bit -> global float32 (exact widening)
+            T.copy(a_frag, B)  # fragment float32 -> global narrow
+            T.copy(A, a_low)  # global float32 -> shared narrow
+            T.copy(a_low, C)  # shared narrow -> global float32 (exact widening)
 
     a = conversion_probe_values()
     b, c = tegula.compile(main, out_idx=[1, 2], target=target)(a)
-    expected = a.to(TORCH_DTYPES[low])
+    expected = a.to(getattr(torch, low))
+    bits = torch.int16 if expected.element_size() == 2 else torch.uint8
     assert b.dtype == expected.dtype
-    assert torch.equal(b.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(b.view(bits), expected.view(bits))
     assert torch.equal(c.view(torch.int32), expected.float().view(torch.int32))
 
 
@@ -255,8 +271,8 @@ GEMM_TOLERANCE = {
 @pytest.mark.parametrize("trans_A, trans_B", [(False, False), (False, True), (True, False), (True, True)])
 def test_gemm_transposes_and_dtypes(target, trans_A, trans_B, dtype):
     M, N, K = 32, 16, 64
-    a = torch.randn((K, M) if trans_A else (M, K)).to(TORCH_DTYPES[dtype])
-    b = torch.randn((N, K) if trans_B else (K, N)).to(TORCH_DTYPES[dtype])
+    a = torch.randn((K, M) if trans_A else (M, K)).to(getattr(torch, dtype))
+    b = torch.randn((N, K) if trans_B else (K, N)).to(getattr(torch, dtype))
     kernel = tegula.compile(gemm_kernel(M, N, K, trans_A, trans_B, dtype), out_idx=[-1], target=target)
     c = kernel(a, b)
     a_ref = a.float().T if trans_A else a.float()
@@ -411,6 +427,27 @@ def test_reduce_default_dim_is_last_and_shared_source(target):
     mx, s = tegula.compile(main, out_idx=[1, 2], target=target)(a)
     torch.testing.assert_close(mx, a.amax(1), rtol=0, atol=0)
     torch.testing.assert_close(s, a.sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_reduce_int32(target):
+    M, N = 4, 16
+
+    @T.prim_func
+    def main(A: T.Tensor((M, N), "int32"), S: T.Tensor((M,), "int32"), Mx: T.Tensor((N,), "int32")):
+        with T.Kernel(1):
+            a = T.alloc_fragment((M, N), "int32")
+            row_sums = T.alloc_fragment((M,), "int32")
+            col_max = T.alloc_fragment((N,), "int32")
+            T.copy(A, a)
+            T.reduce_sum(a, row_sums, dim=1)
+            T.reduce_max(a, col_max, dim=0)
+            T.copy(row_sums, S)
+            T.copy(col_max, Mx)
+
+    a = torch.randint(-1000, 1000, (M, N), dtype=torch.int32)
+    s, mx = tegula.compile(main, out_idx=[1, 2], target=target)(a)
+    assert torch.equal(s, a.sum(1, dtype=torch.int32))
+    assert torch.equal(mx, a.amax(0))
 
 
 def test_reduce_keeps_reduced_dim_as_one(target):

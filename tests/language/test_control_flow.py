@@ -154,7 +154,7 @@ def test_while_loop_and_alloc_var(target):
 
 def test_alloc_var_assign_and_update(target):
     @T.prim_func
-    def main(B: T.Tensor((4,), "int32"), F: T.Tensor((2,), "float32")):
+    def main(B: T.Tensor((4,), "int32"), F: T.Tensor((3,), "float32")):
         with T.Kernel(1):
             v = T.alloc_var("int32")
             f = T.alloc_var("float32")
@@ -173,10 +173,13 @@ def test_alloc_var_assign_and_update(target):
             F[0] = f
             f = f / 2.0
             F[1] = f
+            f = 16777216.0
+            f = f + 1.0  # the variable is float32: 2**24 + 1 rounds back to 2**24
+            F[2] = f - 16777216.0
 
     b, f = tegula.compile(main, out_idx=[0, 1], target=target)()
     assert b.tolist() == [6, 12, -8, -2]
-    assert f.tolist() == [4.5, 2.25]
+    assert f.tolist() == [4.5, 2.25, 0.0]
 
 
 def branch_kernel(flag, N=8):

@@ -1,0 +1,113 @@
+"""The compile cache: keys of text, atomic writes, corrupt entries rebuilt, concurrent builders, ISA in the key."""
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import tegula
+import tegula.language as T
+from tegula.jit import cache
+from tegula.runtime import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="no C compiler")
+
+
+def scale_kernel(N, factor):
+    @T.prim_func
+    def main(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(1):
+            for i in T.Parallel(N):
+                B[i] = A[i] * factor
+    return main
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEGULA_CACHE_DIR", str(tmp_path))
+    cache._MEMORY.clear()
+    yield tmp_path
+    cache._MEMORY.clear()
+
+
+def test_warm_compile_is_a_memory_hit(fresh_cache):
+    f = scale_kernel(8, 2.0)
+    k1 = tegula.compile(f, out_idx=[-1], target="c")
+    k2 = tegula.compile(scale_kernel(8, 2.0), out_idx=[-1], target="c")
+    assert k1 is k2  # same IR text -> same kernel object
+    k3 = tegula.compile(scale_kernel(8, 3.0), out_idx=[-1], target="c")
+    assert k3 is not k1
+    np.testing.assert_array_equal(k3(np.ones(8, np.float32)), np.full(8, 3.0, np.float32))
+
+
+def test_disk_entry_is_reused_and_corrupt_entry_rebuilt(fresh_cache):
+    tegula.compile(scale_kernel(16, 2.0), out_idx=[-1], target="c")
+    libs = glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))
+    assert len(libs) == 1
+    mtime = os.path.getmtime(libs[0])
+    cache._MEMORY.clear()
+    tegula.compile(scale_kernel(16, 2.0), out_idx=[-1], target="c")
+    assert os.path.getmtime(libs[0]) == mtime  # loaded from disk, not rebuilt
+    with open(libs[0], "rb") as f:  # corrupt it (a new file: the old one is still mapped in this process)
+        head = f.read(100)
+    with open(libs[0] + ".bad", "wb") as f:
+        f.write(head)
+    os.replace(libs[0] + ".bad", libs[0])
+    cache._MEMORY.clear()
+    k = tegula.compile(scale_kernel(16, 2.0), out_idx=[-1], target="c")
+    np.testing.assert_array_equal(k(np.ones(16, np.float32)), np.full(16, 2.0, np.float32))
+    assert os.path.getsize(libs[0]) > 100
+
+
+def test_key_includes_host_isa(fresh_cache, monkeypatch):
+    f = scale_kernel(8, 5.0)
+    tegula.compile(f, out_idx=[-1], target="c")
+    cache._MEMORY.clear()
+    monkeypatch.setattr(cpu, "host_isa", lambda: "another-machine")
+    tegula.compile(f, out_idx=[-1], target="c")
+    assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
+
+
+def test_two_processes_compiling_at_once_both_succeed(fresh_cache):
+    script = textwrap.dedent("""
+        import numpy as np, tegula, tegula.language as T
+        def k(N):
+            @T.prim_func
+            def main(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+                with T.Kernel(4) as bx:
+                    for i in T.Parallel(N // 4):
+                        B[bx * (N // 4) + i] = A[bx * (N // 4) + i] + 7.0
+            return main
+        kern = tegula.compile(k(64), out_idx=[-1], target="c")
+        out = kern(np.zeros(64, np.float32))
+        assert (out == 7.0).all()
+        print("ok")
+    """)
+    path = fresh_cache / "race.py"
+    path.write_text(script)
+    env = dict(os.environ, TEGULA_CACHE_DIR=str(fresh_cache))
+    procs = [subprocess.Popen([sys.executable, str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.strip() == "ok"
+    assert not glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "*.tmp"))
+
+
+def test_c_compiler_failure_is_attached_under_our_message(fresh_cache, monkeypatch):
+    monkeypatch.setenv("TEGULA_CFLAGS", "-DTG_FORCE_ERROR -include /nonexistent/header.h")
+    with pytest.raises(tegula.CompileError) as e:
+        tegula.compile(scale_kernel(8, 11.0), out_idx=[-1], target="c")
+    msg = str(e.value)
+    assert "C compiler failed" in msg and "--- details ---" in msg and "nonexistent" in msg
+    assert "test_cache.py" in msg  # points at the user's kernel
+
+
+def test_missing_compiler_is_a_clear_error(fresh_cache, monkeypatch):
+    monkeypatch.setenv("TEGULA_CC", "no-such-cc-xyz")
+    with pytest.raises(tegula.CompileError, match="no-such-cc-xyz"):
+        tegula.compile(scale_kernel(8, 13.0), out_idx=[-1], target="c")
