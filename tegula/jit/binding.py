@@ -163,3 +163,68 @@ def collect_symbols(params) -> list:
                 seen.add(id(d))
                 out.append(d)
     return out
+
+
+def make_fast_call(binder: Binder, launch, slow_call):
+    """A straight-line Python wrapper for the common call (contiguous CPU torch tensors of the exact dtypes and
+    shapes): it checks each argument with a few attribute reads and launches; anything else goes to
+    ``slow_call``, which binds generically and raises the precise error. Returns None when torch is not loaded
+    (no fast path is worth building then)."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    lines, names, ptrs = [], [], []
+    env = {"_launch": launch, "_slow": slow_call, "_Tensor": torch.Tensor, "_empty": torch.empty}
+    sym_names = {id(v): f"s{k}" for k, v in enumerate(binder.symbols)}
+    bound: set[int] = set()
+    for pos in binder.inputs:
+        p = binder.params[pos]
+        a = f"a{pos}"
+        names.append(a)
+        if isinstance(p, E.Var):
+            ok = "int" if p.dtype.is_int or p.dtype.is_bool else "float"
+            lines.append(f"if type({a}) is not {ok}: return _slow(args)")
+            ptrs.append(a)
+            continue
+        env[f"_td{pos}"] = torch_dtype(p.dtype.name)
+        lines.append(f"if type({a}) is not _Tensor or {a}.dtype is not _td{pos} or not {a}.is_cpu "
+                     f"or not {a}.is_contiguous(): return _slow(args)")
+        lines.append(f"sh = {a}.shape")
+        conds = [f"len(sh) != {len(p.shape)}"]
+        for d, want in enumerate(p.shape):
+            if isinstance(want, E.Var):
+                s = sym_names[id(want)]
+                if id(want) in bound:
+                    conds.append(f"sh[{d}] != {s}")
+                else:
+                    lines.append(f"if len(sh) != {len(p.shape)}: return _slow(args)")
+                    lines.append(f"{s} = sh[{d}]")
+                    bound.add(id(want))
+            else:
+                conds.append(f"sh[{d}] != {int(want)}")
+        lines.append(f"if {' or '.join(conds)}: return _slow(args)")
+        ptrs.append(f"{a}.data_ptr()")
+    if len(bound) != len(binder.symbols):
+        return None  # a symbol bound only by a scalar or an output: leave it to the generic path
+    outs = []
+    for pos in sorted(binder.out_idx):
+        p = binder.params[pos]
+        env[f"_td{pos}"] = torch_dtype(p.dtype.name)
+        shape = ", ".join(sym_names[id(d)] if isinstance(d, E.Var) else str(int(d)) for d in p.shape)
+        lines.append(f"o{pos} = _empty(({shape},), dtype=_td{pos})")
+        outs.append(f"o{pos}")
+    all_args = []
+    it = iter(ptrs)
+    for pos, p in enumerate(binder.params):
+        all_args.append(f"o{pos}.data_ptr()" if pos in binder.out_idx else next(it))
+    all_args += [sym_names[id(v)] for v in binder.symbols]
+    lines.append(f"_launch({', '.join(all_args)})")
+    lines.append("return None" if not outs else f"return {outs[0]}" if len(outs) == 1 else f"return [{', '.join(outs)}]")
+    src = f"def call({', '.join(names)}):\n    args = ({''.join(n + ', ' for n in names)})\n"
+    src += "".join(f"    {ln}\n" for ln in lines)
+    src = f"def make():\n" + "".join("    " + ln + "\n" for ln in src.splitlines()) + "    return call\n"
+    exec(compile(src, f"<tegula call {binder.name}>", "exec"), env)
+    fn = env["make"]()
+    fn.__tegula_source__ = src
+    return fn

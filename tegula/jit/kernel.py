@@ -10,6 +10,11 @@ class JITKernel:
         self.program, self.out_idx, self.symbols = program, out_idx, symbols
         self.binder = Binder(func.name, func.params, out_idx, symbols)
         self._pointer = target.args == "pointer"
+        self._fast = None
+        self._nargs = len(self.binder.inputs)
+        if self._pointer:
+            from tegula.jit.binding import make_fast_call
+            self._fast = make_fast_call(self.binder, program.launch, lambda args: self._generic(args, None))
 
     @property
     def kernel_source(self) -> str:
@@ -29,6 +34,11 @@ class JITKernel:
         return self.func.script()
 
     def __call__(self, *args, **kwargs):
+        if self._fast is not None and not kwargs and len(args) == self._nargs:
+            return self._fast(*args)
+        return self._generic(args, kwargs)
+
+    def _generic(self, args, kwargs):
         full, symvals, outs, _ = self.binder.bind(args, kwargs)
         if self._pointer:
             self.program.launch(*[_ptr(a) for a in full], *symvals)

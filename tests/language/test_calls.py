@@ -70,6 +70,16 @@ def test_outputs_are_fresh_per_call(target):
     assert torch.equal(b1, a1 + 1) and torch.equal(b2, a2 + 1)
 
 
+def test_tensor_views_with_a_storage_offset(target):
+    # Contiguous views that start inside a larger storage: the kernel sees the view, not the storage.
+    kernel = tegula.compile(add_one(), target=target)
+    storage_in, storage_out = torch.randn(40), torch.zeros(40)
+    a, b = storage_in[5:21], storage_out[7:23]
+    kernel(a, b)
+    assert torch.equal(b, a + 1)
+    assert torch.all(storage_out[:7] == 0) and torch.all(storage_out[23:] == 0)
+
+
 def test_numpy_arrays_in(target):
     kernel = tegula.compile(split_kernel(), out_idx=[1, 2], target=target)
     a = np.arange(8, dtype=np.float32) - 3.5

@@ -14,7 +14,7 @@ def test_integer_floor_division_and_modulo(target):
     N = 32
 
     @T.prim_func
-    def main(A: T.Tensor((N,), "int32"), D: T.Tensor((N,), "int32"), B: T.Tensor((7, N), "int32")):
+    def main(A: T.Tensor((N,), "int32"), D: T.Tensor((N,), "int32"), B: T.Tensor((9, N), "int32")):
         with T.Kernel(1):
             for i in T.Parallel(N):
                 B[0, i] = A[i] // D[i]
@@ -24,6 +24,8 @@ def test_integer_floor_division_and_modulo(target):
                 B[4, i] = (i - 16) // 5
                 B[5, i] = (i - 16) % 5
                 B[6, i] = T.ceildiv(i + 1, 4)
+                B[7, i] = A[i] // -3
+                B[8, i] = A[i] % -3
 
     a = torch.randint(-50, 50, (N,), dtype=torch.int32)
     d = torch.randint(1, 7, (N,), dtype=torch.int32) * torch.where(torch.rand(N) < 0.5, -1, 1).int()
@@ -36,6 +38,7 @@ def test_integer_floor_division_and_modulo(target):
         torch.div(a, 3, rounding_mode="floor"), torch.remainder(a, 3),
         torch.div(i - 16, 5, rounding_mode="floor"), torch.remainder(i - 16, 5),
         (i + 1 + 3) // 4,
+        torch.div(a, -3, rounding_mode="floor"), torch.remainder(a, -3),
     ]).int()
     assert b[0, :4].tolist() == [-4, -4, 3, 3]
     assert b[1, :4].tolist() == [1, -1, -1, 1]
