@@ -24,6 +24,7 @@ SUFFIX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3", "floa
 _MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt",
          "tanh": "tanh", "erf": "erf", "pow": "pow", "floor": "floor", "ceil": "ceil", "abs": "fabs", "sin": "sin",
          "cos": "cos", "trunc": "trunc", "round": "round", "fmod": "fmod"}
+_FAST_F32 = {"exp", "exp2", "log", "log2", "tanh"}  # vectorisable prelude versions (tegula_rt.h), <= 2 ulp
 _CMP = {"<", "<=", ">", ">=", "==", "!="}
 KEYWORDS = {"int", "float", "double", "char", "short", "long", "if", "else", "for", "while", "do", "return", "void",
             "const", "static", "inline", "restrict", "bool", "true", "false", "auto", "break", "case", "continue",
@@ -117,7 +118,7 @@ class CFamilyEmitter:
         if t.is_float:
             f = "" if t == dt.float64 else "f"
             if op in ("min", "max"):
-                out = f"fm{op[1:]}{f}({a}, {b})"
+                out = f"tg_f{op}f({a}, {b})" if f else f"f{op}({a}, {b})"
             elif op == "//":
                 out = f"floor{f}({a} / {b})"
             elif op == "%":
@@ -168,7 +169,9 @@ class CFamilyEmitter:
         if e.name == "rsqrt":
             out = f"(1.0{f} / sqrt{f}({args[0]}))"
         elif e.name == "sigmoid":
-            out = f"(1.0{f} / (1.0{f} + exp{f}(-{args[0]})))"
+            out = f"(1.0{f} / (1.0{f} + exp{f}(-{args[0]})))" if not f else f"tg_sigmoidf({args[0]})"
+        elif f and e.name in _FAST_F32:
+            out = f"tg_{e.name}f({args[0]})"
         else:
             out = f"{_MATH[e.name]}{f}({', '.join(args)})"
         return self.round(t, out)

@@ -219,8 +219,7 @@ TG__FLOOR_INT(64)
 /* ---- float helpers ------------------------------------------------------------------------ */
 
 static inline float tg_rsqrtf(float x) { return 1.0f / sqrtf(x); }
-static inline float tg_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float tg_exp2f(float x) { return exp2f(x); }
+/* tg_expf, tg_exp2f, tg_logf, tg_sigmoidf, tg_tanhf (vectorisable) live in tegula_rt.h */
 
 /* C99 fmaxf/fminf: a NaN operand is ignored.  Written as selects, which vectorise where a
  * libm call would not. */
