@@ -47,7 +47,9 @@ class Profiler:
     """``kernel.get_profiler()``: times the kernel on random inputs of its declared shapes."""
 
     def __init__(self, kernel, dims: dict | None = None):
-        self.kernel, self.dims = kernel, dims or {}
+        dims = dict(dims or {})
+        dims.pop("tensor_supply_type", None)  # TileLang's knob; tegula always supplies random normal data
+        self.kernel, self.dims = kernel, dims
 
     def inputs(self):
         import torch
@@ -82,3 +84,16 @@ class Profiler:
         fn = func or self.kernel
         args = list(args) if args is not None else self.inputs()
         return do_bench(lambda: fn(*args), warmup=warmup, rep=rep).median_ms
+
+    def assert_allclose(self, ref_program, rtol: float = 1e-2, atol: float = 1e-2, args=None) -> None:
+        """Run the kernel and ``ref_program`` on the same (random) inputs and compare every output."""
+        import torch
+        args = list(args) if args is not None else self.inputs()
+        outs = self.kernel(*args)
+        ref = ref_program(*args)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        ref = ref if isinstance(ref, (list, tuple)) else [ref]
+        if len(outs) != len(ref):
+            raise AssertionError(f"the kernel returned {len(outs)} outputs, the reference {len(ref)}")
+        for o, r in zip(outs, ref):
+            torch.testing.assert_close(torch.as_tensor(o).float(), torch.as_tensor(r).float(), rtol=rtol, atol=atol)
