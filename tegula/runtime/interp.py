@@ -192,7 +192,8 @@ def _vld(buf, idx, mask):
     return out if np.ndim(out) else out[()]
 
 
-def _vst(buf, idx, value, mask, shape):
+def _masked_points(buf, idx, value, mask, shape):
+    """The (indices, values) a T.Parallel store or atomic touches: broadcast to the loop space, mask applied."""
     _check(buf, idx, mask)
     full = np.broadcast_shapes(shape, *(np.shape(i) for i in idx), np.shape(value))
     idx = [np.broadcast_to(i, full) for i in idx]
@@ -200,21 +201,20 @@ def _vst(buf, idx, value, mask, shape):
     if mask is not None:
         m = np.broadcast_to(mask, full)
         idx, value = [i[m] for i in idx], value[m]
-    buf[tuple(np.asarray(i, np.int64) for i in idx)] = value
+    return tuple(np.asarray(i, np.int64).ravel() for i in idx), np.ravel(value)
+
+
+def _vst(buf, idx, value, mask, shape):
+    idx, value = _masked_points(buf, idx, value, mask, shape)
+    buf[idx] = value
 
 
 _UFUNC = {"add": np.add, "max": np.fmax, "min": np.fmin}
 
 
 def _vatomic(kind, buf, idx, value, mask, shape):
-    _check(buf, idx, mask)
-    full = np.broadcast_shapes(shape, *(np.shape(i) for i in idx), np.shape(value))
-    idx = [np.broadcast_to(i, full) for i in idx]
-    value = np.broadcast_to(np.asarray(value), full)
-    if mask is not None:
-        m = np.broadcast_to(mask, full)
-        idx, value = [i[m] for i in idx], value[m]
-    _UFUNC[kind].at(buf, tuple(np.asarray(i, np.int64).ravel() for i in idx), np.ravel(value))
+    idx, value = _masked_points(buf, idx, value, mask, shape)
+    _UFUNC[kind].at(buf, idx, value)
 
 
 # tile ops --------------------------------------------------------------------------------------
