@@ -5,160 +5,178 @@
  * computes C[M,N] (+)= op(A) @ op(B) on one block's tiles. Every operand is row-major with a
  * leading dimension: op(A) is A (M x K) or, when transA, the transpose of A stored K x M; op(B) is
  * B (K x N) or, when transB, the transpose of B stored N x K. clear != 0 overwrites C, otherwise the
- * product is added to it. <dt> is f32, bf16, f16, f8e4m3 or f8e5m2 with a float C (inputs are
- * converted exactly, products accumulate in fp32 with FMA), or i8 with an int32 C (exact; the
- * addition into C wraps like the kernel's -fwrapv arithmetic).
+ * product is added to it. C must not overlap A or B. <dt> is
+ *   f32, f16                 float C; products exact, summed in fp32 with FMA;
+ *   bf16, f8e4m3, f8e5m2     float C; the same, except that with AVX512-BF16 (vdpbf16ps) pairs of
+ *                            products are summed together and bf16 subnormal inputs (|x| < 2^-126,
+ *                            never produced by fp8) and fp32 subnormal partial sums flush to zero;
+ *   i8                       int32 C, exact; the addition into C wraps like -fwrapv arithmetic.
  *
- * Layout of the work (GotoBLAS-like, sized for tiles already in L1/L2): a register-blocked kernel
- * computes an MR x NR block of C over a chunk of at most KC steps of K, reading
- *   A as MR rows addressed by (row stride, k stride), so both orientations of an fp32 A are read
- *     in place;
- *   B as kc rows of NR contiguous floats, so an fp32 B without transB is read in place where the
- *     kernel can mask its loads (AVX-512).
- * Anything else (narrow or integer inputs, transB) is first converted into a float panel on the
- * stack (up to 96 KiB per call). An fp32 A @ B^T with at most MR rows skips the panel and takes dot
- * products along K instead. int8 products are exact in fp32 and a chunk's sum stays below 2^24
- * (KC * 2^14 = 2^21), so each chunk is exact in fp32 before it is added into the int32 C.
- * C must not overlap A or B.
+ * Selected at compile time from the compiler's target macros (-march=native):
+ *   AVX-512 F/BW/VL   8 x 32 register blocks of zmm (tegula_gemm_avx512.h); bf16 and fp8 in bf16
+ *                     pairs with vdpbf16ps where __AVX512BF16__, int8 in quads with vpdpbusd where
+ *                     __AVX512VNNI__, everything else converted to fp32 panels;
+ *   AVX2 + FMA        4 x 16 blocks of ymm, fp32 panels;
+ *   anything else     portable C (NEON, SSE, scalar: gcc/clang vectorise the column loops), 4 x 16.
+ * The work is GotoBLAS-like, sized for tiles already in L1/L2: B in panels of at most KC x 128,
+ * A in panels of at most 64 x KC, a kernel per register block over one panel pair. fp32 operands
+ * are read in place where the kernel can (A always, B unless transposed, on AVX-512); the others
+ * are packed into the kernel's format (converting, interleaving, 16 x 16 transposes in registers).
+ * Without VNNI, int8 products are exact in fp32 and a chunk of K <= 128 sums below 2^24.
  */
 #ifndef TEGULA_GEMM_H
 #define TEGULA_GEMM_H
 
 #include <stdint.h>
+#include <string.h>
 #include <math.h>
 #include "tegula_types.h"
 
-#define TG_GEMM_KC 128 /* one pass over K for the usual K <= 128 tiles; keeps int8 exact */
-#define TG_GEMM_NC 128 /* columns of a packed B panel: KC x NC floats = 64 KiB */
-#define TG_GEMM_MC 64  /* rows of a packed A panel: MC x KC floats = 32 KiB */
 #define TG__ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TG__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TG__ROUND(n, m) (((n) + (m) - 1) / (m) * (m))
 
-#ifdef __AVX512F__
+enum { TG__DT_F32, TG__DT_F16, TG__DT_BF16, TG__DT_E4M3, TG__DT_E5M2, TG__DT_I8 };
+enum { TG__F32, TG__BF16, TG__I8 }; /* panel formats: 1, 2 or 4 elements of K per 32-bit unit */
+
+TG__ALWAYS_INLINE int tg__esize(int dt) { return dt == TG__DT_F32 ? 4 : dt <= TG__DT_BF16 ? 2 : 1; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "tegula_gemm_avx512.h"
+#define TG__DIRECT_B 1 /* the kernel masks its loads of B, so an fp32 B is read in place */
+
+#else /* fp32 panels, zero-padded to whole register blocks; element conversion in scalar code */
+#define TG__DIRECT_B 0
+
+TG__ALWAYS_INLINE float tg__elem_f32(int dt, const void *p, long i)
+{
+    switch (dt) {
+    case TG__DT_F32: return ((const float *)p)[i];
+    case TG__DT_F16: return tg_f16_to_f32(((const tg_f16 *)p)[i]);
+    case TG__DT_BF16: return tg_bf16_to_f32(((const tg_bf16 *)p)[i]);
+    case TG__DT_E4M3: return tg_f8e4m3_to_f32(((const tg_f8e4m3 *)p)[i]);
+    case TG__DT_E5M2: return tg_f8e5m2_to_f32(((const tg_f8e5m2 *)p)[i]);
+    default: return (float)((const int8_t *)p)[i];
+    }
+}
+
+/* dst[r * ldd + c] = src[r * rs + c * cs] as fp32, zero for cols <= c < ldd */
+#define TG__PACK_LOOP(DT)                                                                          \
+    for (int r = 0; r < rows; r++) {                                                               \
+        for (int c = 0; c < cols; c++)                                                             \
+            dst[r * ldd + c] = tg__elem_f32(DT, src, r * rs + c * cs);                             \
+        for (int c = cols; c < ldd; c++)                                                           \
+            dst[r * ldd + c] = 0.0f;                                                               \
+    }
+static inline void tg__pack_f32(int dt, float *restrict dst, long ldd, const void *src, long rs, long cs, int rows,
+                                int cols)
+{
+    switch (dt) { /* one loop per dtype, so that each vectorises */
+    case TG__DT_F32: TG__PACK_LOOP(TG__DT_F32) break;
+    case TG__DT_F16: TG__PACK_LOOP(TG__DT_F16) break;
+    case TG__DT_BF16: TG__PACK_LOOP(TG__DT_BF16) break;
+    case TG__DT_E4M3: TG__PACK_LOOP(TG__DT_E4M3) break;
+    case TG__DT_E5M2: TG__PACK_LOOP(TG__DT_E5M2) break;
+    default: TG__PACK_LOOP(TG__DT_I8) break;
+    }
+}
+#define tg__pack_rows_f32(dt, dst, ldd, src, ld, rows, cols) tg__pack_f32(dt, dst, ldd, src, ld, 1, rows, cols)
+#define tg__pack_cols_f32(dt, dst, ldd, src, ld, rows, cols) tg__pack_f32(dt, dst, ldd, src, 1, ld, rows, cols)
+
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define TG_GEMM_MR 8
-#define TG_GEMM_NR 32
-#define TG_GEMM_DIRECT_B 1
-
-TG__ALWAYS_INLINE __mmask16 tg__gemm_mask(int n)
-{
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
-TG__ALWAYS_INLINE void tg__gemm_store(void *C, long off, __mmask16 m, __m512 acc, int clear, int c_i32)
-{
-    if (c_i32) {
-        __m512i v = _mm512_cvtps_epi32(acc); /* integer-valued, so exact */
-        int32_t *c = (int32_t *)C + off;
-        if (!clear)
-            v = _mm512_add_epi32(v, _mm512_maskz_loadu_epi32(m, c));
-        _mm512_mask_storeu_epi32(c, m, v);
-    } else {
-        float *c = (float *)C + off;
-        if (!clear)
-            acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, c));
-        _mm512_mask_storeu_ps(c, m, acc);
-    }
-}
-
-/* 16 zmm accumulators: enough independent FMAs to cover two pipes of 4-cycle latency. Rows past
- * mr re-read row mr - 1 (never out of bounds) and are not stored; masked loads and stores handle
- * nr < NR, so B may be the caller's own rows. */
-TG__ALWAYS_INLINE void tg__gemm_kernel(int kc, const float *A, long ars, long aks, int mr,
-                                       const float *B, long ldb, int nr,
-                                       void *C, long off, long ldc, int clear, int c_i32)
-{
-    __m512 c0[TG_GEMM_MR], c1[TG_GEMM_MR];
-    const float *a[TG_GEMM_MR];
-    for (int i = 0; i < TG_GEMM_MR; i++) {
-        c0[i] = c1[i] = _mm512_setzero_ps();
-        a[i] = A + (i < mr ? i : mr - 1) * ars;
-    }
-    __mmask16 m0 = tg__gemm_mask(nr), m1 = tg__gemm_mask(nr - 16);
-    for (int k = 0; k < kc; k++, B += ldb) {
-        __m512 b0 = _mm512_maskz_loadu_ps(m0, B), b1 = _mm512_maskz_loadu_ps(m1, B + 16);
-        for (int i = 0; i < TG_GEMM_MR; i++) {
-            __m512 ai = _mm512_set1_ps(a[i][k * aks]);
-            c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++, off += ldc) {
-        tg__gemm_store(C, off, m0, c0[i], clear, c_i32);
-        if (nr > 16)
-            tg__gemm_store(C, off + 16, m1, c1[i], clear, c_i32);
-    }
-}
-
-#else /* portable: gcc vectorises the j loops (AVX2, NEON, ...) */
 #define TG_GEMM_MR 4
 #define TG_GEMM_NR 16
-#define TG_GEMM_DIRECT_B 0 /* the kernel reads NR columns, so B is always a zero-padded panel */
+#define TG_GEMM_VL 8
 
-TG__ALWAYS_INLINE void tg__gemm_kernel(int kc, const float *A, long ars, long aks, int mr,
-                                       const float *restrict B, long ldb, int nr,
-                                       void *C, long off, long ldc, int clear, int c_i32)
+/* fp32 kernel, the AVX-512 one's contract with fmt TG__F32: 8 ymm accumulators, B zero-padded */
+TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
+                                  const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,
+                                  const int32_t *cs)
 {
+    (void)fmt, (void)tail, (void)cs;
+    __m256 c0[TG_GEMM_MR], c1[TG_GEMM_MR];
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), idx), m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), idx);
+    int from_c = !clear && !c_i32, full = nr >= 16;
+    for (int i = 0; i < ROWS; i++) {
+        const float *c = (const float *)C + i * ldc;
+        c0[i] = from_c ? (full ? _mm256_loadu_ps(c) : _mm256_maskload_ps(c, m0)) : _mm256_setzero_ps();
+        c1[i] = from_c ? (full ? _mm256_loadu_ps(c + 8) : _mm256_maskload_ps(c + 8, m1)) : _mm256_setzero_ps();
+    }
+    for (int u = 0; u < units; u++, B += bus) {
+        __m256 b0 = _mm256_loadu_ps((const float *)B), b1 = _mm256_loadu_ps((const float *)B + 8);
+        for (int i = 0; i < ROWS; i++) {
+            __m256 a = _mm256_broadcast_ss((const float *)(A + i * ars + u * aus));
+            c0[i] = _mm256_fmadd_ps(a, b0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        __m256 v[2] = {c0[i], c1[i]};
+        __m256i m[2] = {m0, m1};
+        for (int h = 0; h < 2; h++) {
+            float *c = (float *)C + i * ldc + 8 * h;
+            if (c_i32) {
+                __m256i x = _mm256_cvtps_epi32(v[h]);
+                if (!clear)
+                    x = _mm256_add_epi32(x, _mm256_maskload_epi32((const int *)c, m[h]));
+                v[h] = _mm256_castsi256_ps(x);
+            }
+            if (full)
+                _mm256_storeu_ps(c, v[h]);
+            else
+                _mm256_maskstore_ps(c, m[h], v[h]);
+        }
+    }
+}
+
+#else /* portable */
+#define TG_GEMM_MR 4
+#define TG_GEMM_NR 16
+#define TG_GEMM_VL 16
+
+TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
+                                  const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,
+                                  const int32_t *cs)
+{
+    (void)fmt, (void)tail, (void)cs;
     float acc[TG_GEMM_MR][TG_GEMM_NR] = {{0}};
-    const float *a[TG_GEMM_MR];
-    for (int i = 0; i < TG_GEMM_MR; i++)
-        a[i] = A + (i < mr ? i : mr - 1) * ars;
-    for (int k = 0; k < kc; k++, B += ldb)
-        for (int i = 0; i < TG_GEMM_MR; i++) {
-            float ai = a[i][k * aks];
+    for (int u = 0; u < units; u++, B += bus) {
+        const float *restrict b = (const float *)B;
+        for (int i = 0; i < ROWS; i++) {
+            float a = *(const float *)(A + i * ars + u * aus);
 #pragma omp simd
             for (int j = 0; j < TG_GEMM_NR; j++)
-                acc[i][j] = fmaf(ai, B[j], acc[i][j]);
+                acc[i][j] = fmaf(a, b[j], acc[i][j]);
         }
-    for (int i = 0; i < mr; i++, off += ldc) {
+    }
+    for (int i = 0; i < ROWS; i++) {
         if (c_i32) {
-            int32_t *c = (int32_t *)C + off;
+            int32_t *c = (int32_t *)C + i * ldc;
             for (int j = 0; j < nr; j++)
                 c[j] = (clear ? 0 : c[j]) + (int32_t)acc[i][j];
         } else {
-            float *c = (float *)C + off;
+            float *c = (float *)C + i * ldc;
             for (int j = 0; j < nr; j++)
                 c[j] = clear ? acc[i][j] : c[j] + acc[i][j];
         }
     }
 }
 #endif
+#endif
 
-/* dst[r * ldd + c] = float(src[off + r * rs + c * cs]) for r < rows, c < cols; zero up to dcols. */
-typedef void tg__gemm_pack_fn(float *restrict dst, int ldd, const void *src, long off, long rs, long cs,
-                              int rows, int cols, int dcols);
-
-#define TG__GEMM_PACK(NAME, T, CVT)                                                                     \
-    static inline void NAME(float *restrict dst, int ldd, const void *src, long off, long rs, long cs,  \
-                            int rows, int cols, int dcols)                                              \
-    {                                                                                                   \
-        const T *s = (const T *)src + off;                                                              \
-        if (cs == 1) {                                                                                  \
-            for (int r = 0; r < rows; r++)                                                              \
-                for (int c = 0; c < cols; c++)                                                          \
-                    dst[r * ldd + c] = CVT(s[r * rs + c]);                                              \
-        } else { /* transposing, 16 source rows at a time: few lines live at a power-of-two stride */ \
-            for (int c0 = 0; c0 < cols; c0 += 16)                                                      \
-                for (int r = 0; r < rows; r++)                                                          \
-                    for (int c = c0; c < TG__MIN(c0 + 16, cols); c++)                                   \
-                        dst[r * ldd + c] = CVT(s[r * rs + c * cs]);                                     \
-        }                                                                                               \
-        for (int r = 0; r < rows; r++)                                                                  \
-            for (int c = cols; c < dcols; c++)                                                          \
-                dst[r * ldd + c] = 0.0f;                                                                \
-    }
-#define TG__GEMM_AS_FLOAT(x) ((float)(x))
-TG__GEMM_PACK(tg__gemm_pack_f32, float, TG__GEMM_AS_FLOAT)
-TG__GEMM_PACK(tg__gemm_pack_i8, int8_t, TG__GEMM_AS_FLOAT)
-TG__GEMM_PACK(tg__gemm_pack_bf16, tg_bf16, tg_bf16_to_f32)
-TG__GEMM_PACK(tg__gemm_pack_f16, tg_f16, tg_f16_to_f32)
-TG__GEMM_PACK(tg__gemm_pack_f8e4m3, tg_f8e4m3, tg_f8e4m3_to_f32)
-TG__GEMM_PACK(tg__gemm_pack_f8e5m2, tg_f8e5m2, tg_f8e5m2_to_f32)
+#ifndef TG__HAVE_BF16_PAIRS
+#define TG__HAVE_BF16_PAIRS 0
+#endif
+#ifndef TG__HAVE_I8_QUADS
+#define TG__HAVE_I8_QUADS 0
+#endif
 
 /* C[i][j] (+)= (row i of A) . (row j of B) for an fp32 A @ B^T with few rows (GEMV-like), where
  * packing B would cost more than the product: 16-lane partial sums, four columns at a time. */
-TG__ALWAYS_INLINE void tg__gemm_dot_f32(int M, int N, int K, const float *A, int lda,
-                                        const float *B, int ldb, float *C, int ldc, int clear)
+static inline void tg__gemm_dot_f32(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C,
+                                    int ldc, int clear)
 {
     for (int i = 0; i < M; i++) {
         const float *a = A + (long)i * lda;
@@ -187,74 +205,148 @@ TG__ALWAYS_INLINE void tg__gemm_dot_f32(int M, int N, int K, const float *A, int
     }
 }
 
-/* The one driver behind every tg_gemm_<dt>: f32 says the inputs are float (read in place where the
- * kernel allows), pack converts the others, c_i32 says C is int32. */
-TG__ALWAYS_INLINE void tg__gemm(int M, int N, int K, const void *A, int lda, int transA,
-                                const void *B, int ldb, int transB, void *C, int ldc, int clear,
-                                int f32, tg__gemm_pack_fn *pack, int c_i32)
+TG__ALWAYS_INLINE int tg__fmt(int dt)
 {
+    if (TG__HAVE_BF16_PAIRS && (dt == TG__DT_BF16 || dt == TG__DT_E4M3 || dt == TG__DT_E5M2))
+        return TG__BF16;
+    if (TG__HAVE_I8_QUADS && dt == TG__DT_I8)
+        return TG__I8;
+    return TG__F32;
+}
+
+/* Register blocks over an mc x nc panel pair: row blocks of MR, then 4, 2, 1 for the remainder, each
+ * with a constant row count so that its accumulators live in registers. */
+TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, const char *A, long ars, long aus,
+                                  const char *B, long bus, char *C, long ldc, int first, int c_i32,
+                                  const int32_t *cs)
+{
+#define TG__K(R, NR) tg__kernel(fmt, R, units, tail, A + i * ars, ars, aus, B + 4 * j, bus, NR, \
+                                C + 4 * (i * ldc + j), ldc, first, c_i32, cs + j)
+#define TG__ROWS(R)                                                                       \
+    for (; mc - i >= (R); i += (R))                                                       \
+        for (int j = 0; j < nc; j += TG_GEMM_NR) {                                        \
+            if (nc - j >= TG_GEMM_NR)                                                     \
+                TG__K(R, TG_GEMM_NR);                                                     \
+            else                                                                          \
+                TG__K(R, nc - j);                                                         \
+        }
+    int i = 0;
+    TG__ROWS(TG_GEMM_MR)
+#if TG_GEMM_MR > 4
+    TG__ROWS(4)
+#endif
+    TG__ROWS(2)
+    TG__ROWS(1)
+#undef TG__ROWS
+#undef TG__K
+}
+
+/* The one driver behind every tg_gemm_<dt>; dt is a constant at every call. */
+TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
+                                int ldb, int transB, void *C, int ldc, int clear)
+{
+    enum { NC = 128, MC = 64 };
+    const int fmt = tg__fmt(dt), es = tg__esize(dt), c_i32 = dt == TG__DT_I8;
+    const int epu = fmt == TG__F32 ? 1 : fmt == TG__BF16 ? 2 : 4; /* elements per unit */
+    const int b_direct = TG__DIRECT_B && dt == TG__DT_F32 && !transB;
+    const char *a8 = (const char *)A, *b8 = (const char *)B;
     if (K <= 0) {
         for (int i = 0; clear && i < M; i++)
-            for (int j = 0; j < N; j++) {
-                if (c_i32)
-                    ((int32_t *)C)[(long)i * ldc + j] = 0;
-                else
-                    ((float *)C)[(long)i * ldc + j] = 0.0f;
-            }
+            memset((char *)C + 4L * i * ldc, 0, 4L * N);
         return;
     }
-    if (f32 && transB && !transA && M <= TG_GEMM_MR && !c_i32) {
+    if (dt == TG__DT_F32 && transB && !transA && M <= 4) {
         tg__gemm_dot_f32(M, N, K, (const float *)A, lda, (const float *)B, ldb, (float *)C, ldc, clear);
         return;
     }
-    float bbuf[TG_GEMM_KC * TG_GEMM_NC] __attribute__((aligned(64)));
-    float abuf[TG_GEMM_MC * TG_GEMM_KC] __attribute__((aligned(64)));
-    for (int k0 = 0; k0 < K; k0 += TG_GEMM_KC) {
-        int kc = TG__MIN(TG_GEMM_KC, K - k0), first = clear && k0 == 0;
-        for (int j0 = 0; j0 < N; j0 += TG_GEMM_NC) {
-            int nc = TG__MIN(TG_GEMM_NC, N - j0);
-            const float *bp = bbuf;
-            long ldbp = (nc + TG_GEMM_NR - 1) / TG_GEMM_NR * TG_GEMM_NR;
-            if (f32 && !transB && TG_GEMM_DIRECT_B) {
-                bp = (const float *)B + (long)k0 * ldb + j0;
-                ldbp = ldb;
-            } else if (transB) {
-                pack(bbuf, ldbp, B, (long)j0 * ldb + k0, 1, ldb, kc, nc, ldbp);
-            } else {
-                pack(bbuf, ldbp, B, (long)k0 * ldb + j0, ldb, 1, kc, nc, ldbp);
-            }
-            for (int i0 = 0; i0 < M; i0 += TG_GEMM_MC) {
-                int mc = TG__MIN(TG_GEMM_MC, M - i0);
-                /* op(A)[i][k] is ap[i * ars + k * aks] */
-                const float *ap = abuf;
-                long ars = transA ? 1 : (f32 ? lda : kc), aks = transA ? (f32 ? lda : mc) : 1;
-                if (f32)
-                    ap = (const float *)A + (transA ? (long)k0 * lda + i0 : (long)i0 * lda + k0);
-                else if (transA)
-                    pack(abuf, mc, A, (long)k0 * lda + i0, lda, 1, kc, mc, mc);
+    /* K per panel: the B panel is at most 64 KiB, KC <= 128 keeps int8 exact in fp32 */
+    const int KC = b_direct ? K : 128 * epu;
+    char bbuf[128 * NC * 4] __attribute__((aligned(64)));
+    char abuf[MC * 128 * 4] __attribute__((aligned(64)));
+    int32_t cs[NC] __attribute__((aligned(64)));
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const int kc = TG__MIN(KC, K - k0), first = clear && k0 == 0;
+        const int units = kc / epu, tail = kc % epu, ku = units + (tail > 0);
+        for (int j0 = 0; j0 < N; j0 += NC) {
+            const int nc = TG__MIN(NC, N - j0), ldd = TG__ROUND(nc, 32);
+            const char *bp = bbuf;
+            long bus = 4L * ldd;
+            const char *bsrc = b8 + (transB ? (long)j0 * ldb + k0 : (long)k0 * ldb + j0) * es;
+            (void)ku;
+            if (b_direct) {
+                bp = bsrc;
+                bus = 4L * ldb;
+            } else if (fmt == TG__F32) {
+                if (transB)
+                    tg__pack_cols_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldb, kc, nc);
                 else
-                    pack(abuf, kc, A, (long)i0 * lda + k0, lda, 1, mc, kc, kc);
-                for (int i = 0; i < mc; i += TG_GEMM_MR)
-                    for (int j = 0; j < nc; j += TG_GEMM_NR)
-                        tg__gemm_kernel(kc, ap + i * ars, ars, aks, TG__MIN(TG_GEMM_MR, mc - i),
-                                        bp + j, ldbp, TG__MIN(TG_GEMM_NR, nc - j),
-                                        C, (long)(i0 + i) * ldc + j0 + j, ldc, first, c_i32);
+                    tg__pack_rows_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldb, kc, nc);
+                if (!TG__DIRECT_B)
+                    bus = 4L * TG__ROUND(nc, TG_GEMM_NR);
+            }
+#if TG__HAVE_BF16_PAIRS
+            else if (fmt == TG__BF16)
+                tg__pack_pairs(dt, (uint16_t *)bbuf, ldd, bsrc, transB ? 1 : ldb, transB ? ldb : 1, kc, nc);
+#endif
+#if TG__HAVE_I8_QUADS
+            else if (fmt == TG__I8) {
+                memset(cs, 0, sizeof cs);
+                tg__pack_quads((int8_t *)bbuf, ldd, (const int8_t *)bsrc, transB ? 1 : ldb, transB ? ldb : 1, kc, nc, cs);
+            }
+#endif
+            for (int i0 = 0; i0 < M; i0 += MC) {
+                const int mc = TG__MIN(MC, M - i0);
+                const char *asrc = a8 + (transA ? (long)k0 * lda + i0 : (long)i0 * lda + k0) * es;
+                const char *ap = abuf;
+                long ars, aus; /* byte strides of A's rows and units */
+                if ((dt == TG__DT_F32 || (dt == TG__DT_BF16 && fmt == TG__BF16) || fmt == TG__I8) && !transA) {
+                    ap = asrc, ars = (long)lda * es, aus = 4;
+                } else if (dt == TG__DT_F32) {
+                    ap = asrc, ars = 4, aus = 4L * lda;
+                } else if (fmt == TG__F32) {
+                    int ld = TG__ROUND(transA ? mc : kc, 16);
+                    tg__pack_rows_f32(dt, (float *)abuf, ld, asrc, lda, transA ? kc : mc, transA ? mc : kc);
+                    ars = transA ? 4 : 4L * ld, aus = transA ? 4L * ld : 4;
+                }
+#if TG__HAVE_BF16_PAIRS
+                else if (fmt == TG__BF16 && !transA) {
+                    int ld = TG__ROUND(kc, 32);
+                    tg__pack_rows_bf16(dt, (uint16_t *)abuf, ld, asrc, lda, mc, kc);
+                    ars = 2L * ld, aus = 4;
+                } else if (fmt == TG__BF16) {
+                    int ld = TG__ROUND(mc, 32);
+                    tg__pack_pairs(dt, (uint16_t *)abuf, ld, asrc, lda, 1, kc, mc);
+                    ars = 4, aus = 4L * ld;
+                }
+#endif
+#if TG__HAVE_I8_QUADS
+                else if (fmt == TG__I8) {
+                    int ld = TG__ROUND(mc, 32);
+                    tg__pack_quads((int8_t *)abuf, ld, (const int8_t *)asrc, lda, 1, kc, mc, NULL);
+                    ars = 4, aus = 4L * ld;
+                }
+#endif
+                else {
+                    ars = aus = 0; /* unreachable */
+                }
+                tg__blocks(fmt, mc, nc, units, tail, ap, ars, aus, bp, bus, (char *)C + 4 * ((long)i0 * ldc + j0), ldc,
+                           first, c_i32, cs);
             }
         }
     }
 }
 
-#define TG__GEMM_DEFINE(DT, TIN, TC, F32, PACK, C_I32)                                                 \
-    static inline void tg_gemm_##DT(int M, int N, int K, const TIN *A, int lda, int transA,            \
-                                    const TIN *B, int ldb, int transB, TC *C, int ldc, int clear)      \
+#define TG__GEMM_DEFINE(NAME, DT, TIN, TC)                                                              \
+    static inline void tg_gemm_##NAME(int M, int N, int K, const TIN *A, int lda, int transA, const TIN *B, \
+                                      int ldb, int transB, TC *C, int ldc, int clear)                   \
     {                                                                                                   \
-        tg__gemm(M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, F32, PACK, C_I32);             \
+        tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear);                           \
     }
-TG__GEMM_DEFINE(f32, float, float, 1, tg__gemm_pack_f32, 0)
-TG__GEMM_DEFINE(bf16, tg_bf16, float, 0, tg__gemm_pack_bf16, 0)
-TG__GEMM_DEFINE(f16, tg_f16, float, 0, tg__gemm_pack_f16, 0)
-TG__GEMM_DEFINE(f8e4m3, tg_f8e4m3, float, 0, tg__gemm_pack_f8e4m3, 0)
-TG__GEMM_DEFINE(f8e5m2, tg_f8e5m2, float, 0, tg__gemm_pack_f8e5m2, 0)
-TG__GEMM_DEFINE(i8, int8_t, int32_t, 0, tg__gemm_pack_i8, 1)
+TG__GEMM_DEFINE(f32, TG__DT_F32, float, float)
+TG__GEMM_DEFINE(bf16, TG__DT_BF16, tg_bf16, float)
+TG__GEMM_DEFINE(f16, TG__DT_F16, tg_f16, float)
+TG__GEMM_DEFINE(f8e4m3, TG__DT_E4M3, tg_f8e4m3, float)
+TG__GEMM_DEFINE(f8e5m2, TG__DT_E5M2, tg_f8e5m2, float)
+TG__GEMM_DEFINE(i8, TG__DT_I8, int8_t, int32_t)
 
 #endif /* TEGULA_GEMM_H */

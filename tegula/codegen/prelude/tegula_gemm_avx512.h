@@ -1,0 +1,308 @@
+/* tegula_gemm_avx512.h: the AVX-512 kernels and packing routines behind tegula_gemm.h.
+ *
+ * Included by tegula_gemm.h when the target has AVX-512 F, BW and VL. Three panel formats, each a
+ * 32-bit "unit" of K per column of C, so that one register-blocked kernel serves all of them:
+ *   TG__F32   one fp32 per unit, vfmadd231ps (every dtype on a target without the instructions below);
+ *   TG__BF16  a pair of bf16 per unit, vdpbf16ps (__AVX512BF16__: bf16, and fp8 converted to bf16,
+ *             which holds every e4m3/e5m2 value exactly); measured at twice the fp32 FMA rate on Zen 4;
+ *   TG__I8    four int8 per unit, vpdpbusd (__AVX512VNNI__): A is offset to unsigned by +128 (an xor of
+ *             the sign bit) and 128 * (column sums of B) is subtracted at the end, so int32 is exact.
+ * A panel of B is KU unit rows of contiguous columns; A is read one unit at a time, broadcast.
+ */
+#ifndef TEGULA_GEMM_AVX512_H
+#define TEGULA_GEMM_AVX512_H
+
+#include <immintrin.h>
+
+#define TG_GEMM_MR 8  /* rows of the register block */
+#define TG_GEMM_NR 32 /* columns: two zmm, so 16 accumulators (Zen 4 / SKX: 1-2 FMA per cycle, 4-cycle latency) */
+#define TG_GEMM_VL 16 /* columns per vector */
+
+TG__ALWAYS_INLINE __mmask16 tg__m16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+TG__ALWAYS_INLINE __mmask32 tg__m32(int n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
+TG__ALWAYS_INLINE __mmask64 tg__m64(int n) { return n >= 64 ? ~0ull : n <= 0 ? 0 : (__mmask64)((1ull << n) - 1); }
+
+/* ---- conversions of 16 / 32 narrow elements in registers ------------------------------------- */
+
+/* fp8 -> fp32, exact. e5m2 is the top byte of an f16; e4m3 moved into an f16's fields is its value
+ * scaled by 2^-8 (subnormals included: vcvtph2ps ignores DAZ), so one exact multiply; 0x7f is NaN. */
+TG__ALWAYS_INLINE __m512 tg__f8x16_f32(int dt, __m128i b)
+{
+    __m256i w = _mm256_cvtepu8_epi16(b);
+    if (dt == TG__DT_E5M2)
+        return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    __m256i em = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(w, em), 8), _mm256_slli_epi16(em, 7));
+    __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    return _mm512_mask_mov_ps(f, _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f)), _mm512_set1_ps(NAN));
+}
+
+/* the first n <= 16 elements at p (dtype dt) as fp32, zeros past n */
+TG__ALWAYS_INLINE __m512 tg__load16_f32(int dt, const void *p, int n)
+{
+    __mmask16 m = tg__m16(n);
+    switch (dt) {
+    case TG__DT_F32: return _mm512_maskz_loadu_ps(m, p);
+    case TG__DT_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case TG__DT_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    case TG__DT_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+    default: return tg__f8x16_f32(dt, _mm_maskz_loadu_epi8(m, p));
+    }
+}
+
+/* 16 x 16 transpose of 32-bit elements: r[i] holds row i on entry, column i on return */
+TG__ALWAYS_INLINE void tg__transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 4) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: column 4L + c of rows i..i+3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* gather lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        __m512i e = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        t[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(a, b, 0xdd);
+        t[8 + c] = _mm512_shuffle_i32x4(e, f, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(e, f, 0xdd);
+    }
+    for (int i = 0; i < 16; i++)
+        r[i] = t[i];
+}
+
+/* ---- fp32 panels -------------------------------------------------------------------------------- */
+
+/* dst[r * ldd + c] = src[r * ld + c] as fp32, r < rows, c < cols */
+static inline void tg__pack_rows_f32(int dt, float *dst, long ldd, const void *src, long ld, int rows, int cols)
+{
+    int es = tg__esize(dt);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 16)
+            _mm512_storeu_ps(dst + r * ldd + c, tg__load16_f32(dt, (const char *)src + (r * ld + c) * es, cols - c));
+}
+
+/* dst[r * ldd + c] = src[c * ld + r] as fp32 (a transpose, 16 x 16 in registers); rows of dst are
+ * written in whole vectors up to a multiple of 16 columns */
+static inline void tg__pack_cols_f32(int dt, float *dst, long ldd, const void *src, long ld, int rows, int cols)
+{
+    int es = tg__esize(dt);
+    __m512i v[16];
+    for (int c0 = 0; c0 < cols; c0 += 16)
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            for (int q = 0; q < 16; q++)
+                v[q] = c0 + q < cols ? _mm512_castps_si512(tg__load16_f32(dt, (const char *)src + ((c0 + q) * ld + r0) * es,
+                                                                          rows - r0))
+                                     : _mm512_setzero_si512();
+            tg__transpose16(v);
+            for (int r = 0; r < 16 && r0 + r < rows; r++)
+                _mm512_storeu_si512(dst + (r0 + r) * ldd + c0, v[r]);
+        }
+}
+
+/* ---- bf16 pair panels (vdpbf16ps) ------------------------------------------------------------- */
+#ifdef __AVX512BF16__
+#define TG__HAVE_BF16_PAIRS 1
+
+/* the first n <= 32 elements at p (bf16 or fp8) as bf16 words, zeros past n */
+TG__ALWAYS_INLINE __m512i tg__load32_bf16(int dt, const void *p, int n)
+{
+    if (dt == TG__DT_BF16)
+        return _mm512_maskz_loadu_epi16(tg__m32(n), p);
+    __m256i b = _mm256_maskz_loadu_epi8(tg__m32(n), p);
+    __m512 lo = tg__f8x16_f32(dt, _mm256_castsi256_si128(b)), hi = tg__f8x16_f32(dt, _mm256_extracti128_si256(b, 1));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* exact: every fp8 value is a bf16 value */
+}
+
+/* dst[r * ldd + c] = src[r * ld + c] as bf16 (fp8 converted), c < cols rounded up to 32 */
+static inline void tg__pack_rows_bf16(int dt, uint16_t *dst, long ldd, const void *src, long ld, int rows, int cols)
+{
+    int es = tg__esize(dt);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 32)
+            _mm512_storeu_si512(dst + r * ldd + c, tg__load32_bf16(dt, (const char *)src + (r * ld + c) * es, cols - c));
+}
+
+/* Pair panel of S[k][x] = src[k * ks + x * xs] (one of ks, xs is 1), k < K, x < X: the 32-bit word
+ * at dst + 2 * (p * ldd + x) holds S[2p][x] low and S[2p + 1][x] high (zero past K). */
+static inline void tg__pack_pairs(int dt, uint16_t *dst, long ldd, const void *src, long ks, long xs, int K, int X)
+{
+    static const uint16_t perm[64] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                      8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                                      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const char *s = (const char *)src;
+    int es = tg__esize(dt), P = (K + 1) / 2;
+    if (xs == 1) { /* rows of S are contiguous: interleave two rows */
+        __m512i lo = _mm512_loadu_si512(perm), hi = _mm512_loadu_si512(perm + 32);
+        for (int p = 0; p < P; p++)
+            for (int x = 0; x < X; x += 32) {
+                __m512i r0 = tg__load32_bf16(dt, s + (2 * p * ks + x) * es, X - x);
+                __m512i r1 = 2 * p + 1 < K ? tg__load32_bf16(dt, s + ((2 * p + 1) * ks + x) * es, X - x)
+                                           : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + 2 * (p * ldd + x), _mm512_permutex2var_epi16(r0, lo, r1));
+                _mm512_storeu_si512(dst + 2 * (p * ldd + x) + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+            }
+        return;
+    }
+    __m512i v[16]; /* columns of S are contiguous: each is 16 pairs, transpose 16 x 16 pairs */
+    for (int x0 = 0; x0 < X; x0 += 16)
+        for (int p0 = 0; p0 < P; p0 += 16) {
+            for (int q = 0; q < 16; q++)
+                v[q] = x0 + q < X ? tg__load32_bf16(dt, s + ((x0 + q) * xs + 2 * p0) * es, K - 2 * p0)
+                                  : _mm512_setzero_si512();
+            tg__transpose16(v);
+            for (int r = 0; r < 16 && p0 + r < P; r++)
+                _mm512_storeu_si512(dst + 2 * ((p0 + r) * ldd + x0), v[r]);
+        }
+}
+#endif
+
+/* ---- int8 quad panels (vpdpbusd) --------------------------------------------------------------- */
+#ifdef __AVX512VNNI__
+#define TG__HAVE_I8_QUADS 1
+
+/* Quad panel of S[k][x] = src[k * ks + x * xs] (one of ks, xs is 1): the 32-bit word at
+ * dst + 4 * (q * ldd + x) holds S[4q..4q+3][x] (zero past K). cs (if not NULL) gets the column sums
+ * of S added, for the unsigned-offset correction. */
+static inline void tg__pack_quads(int8_t *dst, long ldd, const int8_t *src, long ks, long xs, int K, int X, int32_t *cs)
+{
+    const __m512i ones = _mm512_set1_epi8(1);
+    int Q = (K + 3) / 4;
+    if (xs == 1) { /* rows of S are contiguous: interleave four rows, 64 columns at a time */
+        for (int q = 0; q < Q; q++)
+            for (int x = 0; x < X; x += 64) {
+                __m512i r[4];
+                for (int t = 0; t < 4; t++)
+                    r[t] = 4 * q + t < K ? _mm512_maskz_loadu_epi8(tg__m64(X - x), src + (4 * q + t) * ks + x)
+                                         : _mm512_setzero_si512();
+                __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+                __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+                __m512i u0 = _mm512_unpacklo_epi16(t0, t2), u1 = _mm512_unpackhi_epi16(t0, t2);
+                __m512i u2 = _mm512_unpacklo_epi16(t1, t3), u3 = _mm512_unpackhi_epi16(t1, t3);
+                /* u_m, lane L: columns 16L + 4m .. +3; gather lane L of u0..u3 */
+                __m512i a = _mm512_shuffle_i32x4(u0, u1, 0x44), b = _mm512_shuffle_i32x4(u2, u3, 0x44);
+                __m512i e = _mm512_shuffle_i32x4(u0, u1, 0xee), f = _mm512_shuffle_i32x4(u2, u3, 0xee);
+                __m512i o[4] = {_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd),
+                                _mm512_shuffle_i32x4(e, f, 0x88), _mm512_shuffle_i32x4(e, f, 0xdd)};
+                for (int l = 0; l < 4 && x + 16 * l < X; l++) {
+                    _mm512_storeu_si512(dst + 4 * (q * ldd + x + 16 * l), o[l]);
+                    if (cs)
+                        _mm512_storeu_si512(cs + x + 16 * l,
+                                            _mm512_dpbusd_epi32(_mm512_loadu_si512(cs + x + 16 * l), ones, o[l]));
+                }
+            }
+        return;
+    }
+    __m512i v[16]; /* columns of S are contiguous: each is 16 quads, transpose 16 x 16 quads */
+    for (int x0 = 0; x0 < X; x0 += 16)
+        for (int q0 = 0; q0 < Q; q0 += 16) {
+            for (int t = 0; t < 16; t++)
+                v[t] = x0 + t < X ? _mm512_maskz_loadu_epi8(tg__m64(K - 4 * q0), src + (x0 + t) * xs + 4 * q0)
+                                  : _mm512_setzero_si512();
+            tg__transpose16(v);
+            for (int r = 0; r < 16 && q0 + r < Q; r++) {
+                _mm512_storeu_si512(dst + 4 * ((q0 + r) * ldd + x0), v[r]);
+                if (cs)
+                    _mm512_storeu_si512(cs + x0, _mm512_dpbusd_epi32(_mm512_loadu_si512(cs + x0), ones, v[r]));
+            }
+        }
+}
+#endif
+
+/* ---- the register-blocked kernel ----------------------------------------------------------------- */
+
+/* One unit of row i of A, broadcast: a float, a bf16 pair, or four int8 made unsigned. The last
+ * unit may be partial (n < elements per unit): read only n elements, the rest are zero. */
+TG__ALWAYS_INLINE __m512 tg__bcast(int fmt, const char *p, int n)
+{
+    if (fmt == TG__F32)
+        return _mm512_set1_ps(*(const float *)p);
+    uint32_t u = 0;
+    memcpy(&u, p, n ? (size_t)n * (fmt == TG__BF16 ? 2 : 1) : 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32((int)(fmt == TG__I8 ? u ^ 0x80808080u : u)));
+}
+
+TG__ALWAYS_INLINE __m512 tg__dot(int fmt, __m512 c, __m512 a, __m512 b)
+{
+#ifdef TG__HAVE_BF16_PAIRS
+    if (fmt == TG__BF16)
+        return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
+#endif
+#ifdef TG__HAVE_I8_QUADS
+    if (fmt == TG__I8)
+        return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(c), _mm512_castps_si512(a),
+                                                       _mm512_castps_si512(b)));
+#endif
+    return _mm512_fmadd_ps(a, b, c);
+}
+
+/* C[ROWS x nr] (+)= A-units x B-units over `units` whole units and a last unit of `tail` elements.
+ * Row i's unit u is at A + i * ars + u * aus (bytes); unit row u of B at B + u * bus, its columns
+ * contiguous. ROWS is a constant at every call; nr <= 32 columns are masked. fmt TG__F32 with c_i32:
+ * products summed from zero in fp32 (exact for int8 chunks) and added to the int32 C. fmt TG__I8:
+ * cs holds the column sums of B for the +128 offset of A. */
+TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
+                                  const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,
+                                  const int32_t *cs)
+{
+    __m512 c0[TG_GEMM_MR], c1[TG_GEMM_MR];
+    __mmask16 m0 = tg__m16(nr), m1 = tg__m16(nr - 16);
+    int from_c = !clear && !(fmt == TG__F32 && c_i32), full = nr >= 32;
+    for (int i = 0; i < ROWS; i++) {
+        const float *c = (const float *)C + i * ldc;
+        c0[i] = from_c ? (full ? _mm512_loadu_ps(c) : _mm512_maskz_loadu_ps(m0, c)) : _mm512_setzero_ps();
+        c1[i] = from_c ? (full ? _mm512_loadu_ps(c + 16) : _mm512_maskz_loadu_ps(m1, c + 16)) : _mm512_setzero_ps();
+    }
+#define TG__STEP(N)                                                                          \
+    {                                                                                        \
+        __m512 b0 = full ? _mm512_loadu_ps(B) : _mm512_maskz_loadu_ps(m0, B);                \
+        __m512 b1 = full ? _mm512_loadu_ps(B + 64) : _mm512_maskz_loadu_ps(m1, B + 64);      \
+        for (int i = 0; i < ROWS; i++) {                                                     \
+            __m512 a = tg__bcast(fmt, A + i * ars + u * aus, N);                             \
+            c0[i] = tg__dot(fmt, c0[i], a, b0);                                              \
+            c1[i] = tg__dot(fmt, c1[i], a, b1);                                              \
+        }                                                                                    \
+    }
+    int u = 0;
+    for (; u < units; u++, B += bus)
+        TG__STEP(0)
+    if (tail)
+        TG__STEP(tail)
+#undef TG__STEP
+    __m512i k0 = _mm512_setzero_si512(), k1 = k0;
+    if (fmt == TG__I8) {
+        k0 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m0, cs), 7);
+        k1 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m1, cs + 16), 7);
+    }
+    for (int i = 0; i < ROWS; i++) {
+        __m512 v[2] = {c0[i], c1[i]};
+        __m512i kk[2] = {k0, k1};
+        __mmask16 m[2] = {m0, m1};
+        for (int h = 0; h < 2; h++) {
+            char *c = (char *)C + 4 * (i * ldc + 16 * h);
+            if (fmt == TG__I8) {
+                v[h] = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(v[h]), kk[h]));
+            } else if (c_i32) {
+                __m512i x = _mm512_cvtps_epi32(v[h]); /* integer-valued, so exact */
+                if (!clear)
+                    x = _mm512_add_epi32(x, full ? _mm512_loadu_si512(c) : _mm512_maskz_loadu_epi32(m[h], c));
+                v[h] = _mm512_castsi512_ps(x);
+            }
+            if (full)
+                _mm512_storeu_ps(c, v[h]);
+            else
+                _mm512_mask_storeu_ps(c, m[h], v[h]);
+        }
+    }
+}
+
+#endif /* TEGULA_GEMM_AVX512_H */
