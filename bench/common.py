@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: timing, the machine's measured bandwidth, tables."""
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+
+from tegula.jit.profiler import Timing, do_bench
+
+__all__ = ["Timing", "do_bench", "measure_bandwidth", "print_table", "try_compile"]
+
+_STREAM = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <immintrin.h>
+void stream_copy(const float *restrict a, float *restrict b, int64_t n) {
+  #pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) b[i] = a[i];
+}
+void stream_copy_nt(const float *restrict a, float *restrict b, int64_t n) {
+#ifdef __AVX512F__
+  #pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(b + i, _mm512_loadu_ps(a + i));
+  _mm_sfence();
+#else
+  stream_copy(a, b, n);
+#endif
+}
+"""
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None) -> dict:
+    """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
+    of source, measured now, in this process, with the machine's C compiler."""
+    import numpy as np
+    from tegula.runtime import cpu
+    d = tempfile.mkdtemp(prefix="tegula-bench-")
+    src, lib = os.path.join(d, "stream.c"), os.path.join(d, "stream.so")
+    with open(src, "w") as f:
+        f.write(_STREAM)
+    import subprocess
+    subprocess.run([cpu.compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", lib],
+                   check=True)
+    so = ctypes.CDLL(lib)
+    n = nbytes // 4 // 16 * 16
+    a = _aligned(n, 1.0)
+    b = _aligned(n, 0.0)
+    out = {}
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    for name in ("stream_copy", "stream_copy_nt"):
+        fn = getattr(so, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        t = do_bench(lambda: fn(a.ctypes.data, b.ctypes.data, n), warmup=2, rep=5)
+        out[name] = 2 * n * 4 / (t.median_ms * 1e-3) / 1e9
+    return out
+
+
+def _aligned(n, value):
+    import numpy as np
+    raw = np.full(n + 16, value, np.float32)
+    off = (-raw.ctypes.data // 4) % 16  # non-temporal stores need 64-byte alignment
+    return raw[off:off + n]
+
+
+def try_compile(fn):
+    """torch.compile(fn), or None when inductor cannot build here."""
+    try:
+        import torch
+        return torch.compile(fn, dynamic=False)
+    except Exception:  # a missing toolchain: the row says so
+        return None
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(h)), *(len(_fmt(r[i])) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(str(h).rjust(w) if i else str(h).ljust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(_fmt(c).rjust(w) if i else _fmt(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+    return str(x)
