@@ -31,4 +31,11 @@ def jit(fn=None, *, out_idx=None, target=None, **options):
     return _jit(fn, out_idx=out_idx, target=target, **options)
 
 
-__all__ = ["CompileError", "compile", "jit", "lower", "__version__"]
+def autotune(configs=None, warmup: int = 3, rep: int = 20, **kwargs):
+    """``@tegula.autotune(configs=[{...}, ...])`` above ``@tegula.jit``: compile each configuration, time it on
+    random inputs, keep the fastest; the choice is cached on disk per factory, arguments, target and host."""
+    from tegula.autotune import autotune as _autotune
+    return _autotune(configs=configs, warmup=warmup, rep=rep, **kwargs)
+
+
+__all__ = ["autotune", "CompileError", "compile", "jit", "lower", "__version__"]

@@ -188,8 +188,11 @@ class CFamilyEmitter:
         return out
 
     def store_value(self, buf, value: E.Expr) -> str:
-        v = self.ex(value)
-        return f"tg_f32_to_{SUFFIX[buf.dtype.name]}({v})" if buf.dtype.is_narrow_float else v
+        if not buf.dtype.is_narrow_float:
+            return self.ex(value)
+        if isinstance(value, E.Cast) and value.value.dtype.is_float:  # narrow once, not round-then-narrow
+            value = value.value
+        return f"tg_f32_to_{SUFFIX[buf.dtype.name]}((float){self.ex(value)})"
 
     # statements --------------------------------------------------------------------------------
     def stmt(self, s) -> None:

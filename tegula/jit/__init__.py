@@ -152,13 +152,6 @@ def jit(fn=None, *, out_idx=None, target=None, **options):
     return JitFactory(fn, out_idx=out_idx, target=target, options=options)
 
 
-class _CallableModule(type(os)):
-    """Importing the subpackage ``tegula.jit`` rebinds the attribute ``tegula.jit``; keep it a decorator."""
+from tegula._callable import make_module_callable  # noqa: E402
 
-    def __call__(self, fn=None, **kwargs):
-        return jit(fn, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, jit)

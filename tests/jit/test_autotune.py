@@ -1,0 +1,55 @@
+"""tegula.autotune over tegula.jit on the CPU: picks a configuration, caches it on disk, rejects bad use."""
+import pytest
+import torch
+
+import tegula
+import tegula.language as T
+from tegula.jit import cache
+
+
+def _factory_calls():
+    calls = []
+
+    @tegula.autotune(configs=[{"block": 8}, {"block": 16}, {"block": 5}], warmup=1, rep=2, verbose=False)
+    @tegula.jit(out_idx=[-1], target="c")
+    def scale(N, block=8):
+        calls.append(block)
+        if N % block:
+            raise ValueError(f"block {block} does not divide {N}")  # a config that cannot be built
+
+        @T.prim_func
+        def main(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+            with T.Kernel(N // block) as bx:
+                for i in T.Parallel(block):
+                    B[bx * block + i] = A[bx * block + i] * 2.0
+        return main
+    return scale, calls
+
+
+def test_autotune_picks_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEGULA_CACHE_DIR", str(tmp_path))
+    cache._MEMORY.clear()
+    scale, calls = _factory_calls()
+    k = scale(64)
+    assert k.config in ({"block": 8}, {"block": 16}) and k.latency > 0
+    a = torch.randn(64)
+    assert torch.equal(k(a), a * 2)
+    assert (tmp_path / "autotune").exists()
+    # a new tuner (a new process, say) reads the choice instead of timing every config again
+    scale2, calls2 = _factory_calls()
+    k2 = scale2(64)
+    assert k2.config == k.config and calls2 == [k.config["block"]]
+
+
+def test_autotune_needs_a_jit_factory_and_configs():
+    with pytest.raises(TypeError, match="tegula.jit"):
+        tegula.autotune(configs=[{"a": 1}])(lambda n: n)
+    with pytest.raises(ValueError, match="configs"):
+        tegula.autotune()
+
+
+def test_autotune_all_configs_failing_is_a_compile_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEGULA_CACHE_DIR", str(tmp_path))
+    scale, _ = _factory_calls()
+    with pytest.raises(tegula.CompileError, match="every configuration failed"):
+        scale(7)
