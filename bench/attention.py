@@ -1,0 +1,67 @@
+"""Flash attention forward (examples/flash_attention.py, the kernel text unchanged) against torch SDPA.
+
+    python -m bench.attention [--seq 2048] [--heads 16] [--dim 128] [--reps 5] [--tune]
+
+fp32, batch 1, causal and not. The output tensor is preallocated by torch.empty on each call of the tegula kernel
+(out_idx) and by SDPA itself: both sides allocate. FLOP counts: 4*b*h*s*s*d, halved when causal.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+import tegula
+from bench.common import do_bench, print_table
+
+
+def load_example(name: str):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", name + ".py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tune", action="store_true", help="also try other block sizes (block_M, block_N)")
+    args = p.parse_args(argv)
+    fa = load_example("flash_attention")
+    b, h, s, d = 1, args.heads, args.seq, args.dim
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    rows = []
+    configs = [dict(block_M=64, block_N=64)]
+    if args.tune:
+        configs += [dict(block_M=bm, block_N=bn) for bm in (32, 64, 128) for bn in (32, 64, 128)
+                    if (bm, bn) != (64, 64)]
+    for causal in (True, False):
+        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+        sdpa = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), rep=args.reps)
+        ref = fa.reference(q, k, v, causal)
+        for cfg in configs:
+            kern = tegula.compile(fa.flash_attention(b, h, s, d, causal, dtype="float32", **cfg), out_idx=[3],
+                                  target="c")
+            out = kern(q, k, v)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            t = do_bench(lambda: kern(q, k, v), rep=args.reps)
+            rows.append([f"{'causal' if causal else 'full'} {cfg['block_M']}x{cfg['block_N']}", t.median_ms,
+                         f"{t.spread:.0%}", flops / t.median_ms / 1e6, sdpa.median_ms, flops / sdpa.median_ms / 1e6,
+                         sdpa.median_ms / t.median_ms])
+            print(f"  {rows[-1][0]}: done", flush=True)
+    print_table(f"flash attention fp32 b={b} h={h} s={s} d={d}, 2 threads (medians of >= {args.reps})",
+                ["case (block_M x block_N)", "tegula ms", "spread", "GFLOP/s", "SDPA ms", "SDPA GFLOP/s",
+                 "SDPA/tegula"], rows)
+
+
+if __name__ == "__main__":
+    main()
