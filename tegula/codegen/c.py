@@ -23,7 +23,7 @@ class CEmitter(CFamilyEmitter):
         return []
 
     def stmt_Kernel(self, k: S.Kernel):
-        allocs = [s.buffer for s in S.walk(k.body) if isinstance(s, S.Alloc)]
+        allocs = [s.buffer for s in S.walk(k.body) if isinstance(s, S.Alloc) and s.buffer.alias is None]
         total = sum(_nbytes(b) for b in allocs)
         gx, gy, gz = (self.ex(E.as_expr(g)) for g in k.grid)
         bx, by, bz = (self.nm(v) for v in k.block_vars)

@@ -154,7 +154,25 @@ class CFamilyEmitter:
             return f"(({reg_type(d)})tg_f2i((double){a}, {float(lo).hex()}, {float(hi).hex()}))"
         return f"(({reg_type(d)}){a})"
 
+    def reinterpret(self, e: E.Call) -> str:
+        src, d = e.args[0].dtype, e.dtype
+        x = self.ex(e.args[0])
+        w = f"uint{d.bits}_t"
+        if src.is_narrow_float:
+            bits = f"tg_f32_to_{SUFFIX[src.name]}({x})"
+        elif src.is_float:
+            bits = f"tg_f2bits({x})" if src.bits == 32 else f"tg_d2bits({x})"
+        else:
+            bits = f"(({w}){x})"
+        if d.is_narrow_float:
+            return f"tg_{SUFFIX[d.name]}_to_f32({bits})"
+        if d.is_float:
+            return f"tg_bits2f({bits})" if d.bits == 32 else f"tg_bits2d({bits})"
+        return f"(({reg_type(d)}){bits})"
+
     def call(self, e: E.Call) -> str:
+        if e.name == "reinterpret":
+            return self.reinterpret(e)
         args = [self.ex(a) for a in e.args]
         t = e.dtype
         if e.name in ("isnan", "isinf"):
@@ -232,7 +250,14 @@ class CFamilyEmitter:
         self.w(f"{decl}{self.nm(s.var)} = {self.ex(s.value)};")
 
     def stmt_Alloc(self, s: S.Alloc):
-        pass  # on-chip buffers are declared by the kernel prologue
+        b = s.buffer  # on-chip storage is declared by the kernel prologue; a T.reshape view is a pointer to it
+        if b.alias is not None:
+            ct = STORAGE[b.dtype.name]
+            self.w(f"{self.address_space(b.alias)}{ct} *{self.nm(b)} = ({self.address_space(b.alias)}{ct} *)"
+                   f"{self.nm(b.alias)};")
+
+    def address_space(self, buf) -> str:
+        return ""
 
     def stmt_For(self, s: S.For):
         for pragma in self.loop_pragmas(s):

@@ -103,6 +103,8 @@ class PythonEmitter:
             if e.op == "neg":
                 return self.narrow(e.dtype, f"(-{self.f32(e.a, a)})")
             return f"(~{a})"
+        if isinstance(e, E.Call) and e.name == "reinterpret":
+            return f"_reinterpret({self.ex(e.args[0])}, '{e.dtype}')"
         if isinstance(e, E.Call):
             args = ", ".join(self.f32(a, self.ex(a)) for a in e.args)
             return self.narrow(e.dtype, f"{_CALLS[e.name]}({args})")
@@ -209,6 +211,9 @@ class PythonEmitter:
 
     def stmt_Alloc(self, s: S.Alloc):
         b = s.buffer
+        if b.alias is not None:
+            self.w(f"{self.nm(b)} = {self.nm(b.alias)}.reshape({tuple(b.shape)!r})")
+            return
         self.w(f"{self.nm(b)} = _alloc({tuple(b.shape)!r}, '{b.dtype}')")
 
     def stmt_For(self, s: S.For):

@@ -20,6 +20,7 @@ class Buffer:
         if scope not in SCOPES:
             raise CompileError(f"unknown buffer scope {scope!r}; expected one of {SCOPES}")
         self.name, self.shape, self.dtype, self.scope, self.loc = name, tuple(shape), dtype, scope, loc
+        self.alias: Buffer | None = None  # T.reshape: this buffer is a view of `alias`'s storage
 
     @property
     def ndim(self) -> int:

@@ -97,7 +97,12 @@ from tegula.language.tile import (  # noqa: F401
     reduce_sum,
 )
 
+from tegula.language.surface import assume, device_assert, dtype, reinterpret, reshape, view  # noqa: E402, F401
+
 float8_e4m3 = float8_e4m3fn
+half = float16
+parallel = Parallel
+Serial = serial
 Buffer = Tensor
 FP8 = float8_e4m3fn
 

@@ -51,7 +51,8 @@ class Source:
         try:
             lines, first = inspect.getsourcelines(fn)
         except (OSError, TypeError) as e:
-            raise CompileError(f"cannot read the source of {getattr(fn, '__name__', fn)!r}: {e}") from None
+            raise CompileError(f"cannot read the source of {getattr(fn, '__name__', fn)!r} ({e}): kernels must be "
+                               "defined in a file, since python -c and the plain REPL keep no source") from None
         self.file = inspect.getsourcefile(fn) or fn.__code__.co_filename
         tree = ast.parse(textwrap.dedent("".join(lines)))
         ast.increment_lineno(tree, first - 1)

@@ -293,3 +293,58 @@ def make_swizzled_layout(*args, **kwargs):
 class GemmWarpPolicy:
     """How SIMT targets split a T.gemm over warps; a performance hint."""
     Square, FullRow, FullCol = "Square", "FullRow", "FullCol"
+
+
+def reshape(buffer, shape):
+    """A view of ``buffer`` with another shape (same dtype and element count, row-major): no copy."""
+    b = current()
+    if not isinstance(buffer, Buffer):
+        raise CompileError(f"T.reshape expects a buffer, got {type(buffer).__name__}")
+    shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
+    if any(not isinstance(E.const_value(d), int) for d in list(shape) + list(buffer.shape)):
+        raise CompileError("T.reshape needs constant shapes")
+    n_old, n_new = 1, 1
+    for d in buffer.shape:
+        n_old *= int(E.const_value(d))
+    for d in shape:
+        n_new *= int(E.const_value(d))
+    if n_old != n_new:
+        raise CompileError(f"T.reshape: {buffer.name} has {n_old} elements, the shape {tuple(shape)} has {n_new}")
+    view = Buffer(b.fresh(buffer.name + "_view"), tuple(int(E.const_value(d)) for d in shape), buffer.dtype,
+                  buffer.scope, b.loc)
+    view.auto_name, view.alias = True, buffer
+    from tegula.ir.stmt import Alloc
+    b.emit(Alloc(view))
+    return view
+
+
+def view(buffer, shape=None, dtype=None):
+    """``T.view(buf, shape=..., dtype=...)``: a reshaped view; a dtype change is not supported."""
+    if dtype is not None and dt.dtype(dtype) != buffer.dtype:
+        raise CompileError("T.view with another dtype is not supported; use T.reinterpret on elements")
+    return reshape(buffer, shape if shape is not None else buffer.shape)
+
+
+def reinterpret(value, dtype):
+    """The bits of ``value`` read as ``dtype`` (the same width): T.reinterpret(x, T.uint32) of a float32."""
+    if isinstance(value, (str, dt.DType)) and not isinstance(dtype, (str, dt.DType)):
+        value, dtype = dtype, value  # TVM's argument order: reinterpret(dtype, value)
+    d = dt.dtype(dtype)
+    v = E.as_expr(value)
+    if v.dtype.bits != d.bits or v.dtype.is_bool or d.is_bool:
+        raise CompileError(f"T.reinterpret: {v.dtype} and {d} have different widths")
+    return v if v.dtype == d else E.Call("reinterpret", (v,), d)
+
+
+def dtype(x):
+    """Normalise a dtype name: T.dtype("float16") is T.float16."""
+    return dt.dtype(x)
+
+
+def assume(cond):
+    """A fact the compiler may use; tegula ignores it."""
+    return None
+
+
+def device_assert(cond, msg=""):
+    return None

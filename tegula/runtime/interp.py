@@ -80,6 +80,11 @@ def _cast(x, dtype: str):
     return out if np.ndim(x) else out[()]
 
 
+def _reinterpret(x, dtype: str):
+    out = np.asarray(x).view(np_dtype(dtype))
+    return out if np.ndim(x) else out[()]
+
+
 def _range(start, extent):
     s, n = int(start), int(extent)
     return (np.int32(s + k) for k in range(n))
