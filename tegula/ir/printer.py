@@ -65,6 +65,8 @@ def expr_str(e, nm: Namer | None = None) -> str:
         return f"{nm(e.buffer)}[{', '.join(r(i) for i in e.indices)}]"
     if isinstance(e, (int, float, bool)):
         return repr(e)
+    if hasattr(e, "ir_text"):
+        return e.ir_text()
     return f"<{type(e).__name__}>"
 
 
@@ -105,6 +107,8 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
         return [f"{p}{'let ' if s.declare else ''}{nm(s.var)}: {s.var.dtype} = {ex(s.value)}"]
     if isinstance(s, S.Alloc):
         b = s.buffer
+        if b.alias is not None:
+            return [f"{p}{nm(b)} = reshape({nm(b.alias)}, {_shape(b.shape, nm)})"]
         return [f"{p}{nm(b)} = alloc_{b.scope}({_shape(b.shape, nm)}, {b.dtype})"]
     if isinstance(s, S.Kernel):
         grid = ", ".join(ex(E.as_expr(g)) for g in s.grid)
@@ -125,6 +129,8 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
         return [f"{p}atomic_{s.kind}({rg(s.dst)}, {v})"]
     if isinstance(s, S.AtomicElem):
         return [f"{p}atomic_{s.kind}({nm(s.buffer)}[{', '.join(ex(i) for i in s.indices)}], {ex(s.value)})"]
+    if hasattr(s, "ir_text"):  # target-family nodes (ir/simt.py) print themselves
+        return [f"{p}{s.ir_text()}"]
     return [f"{p}<{type(s).__name__}>"]
 
 
