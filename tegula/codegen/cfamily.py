@@ -200,6 +200,8 @@ class CFamilyEmitter:
         idx = [self.ex(i) for i in indices]
         if not idx:
             return "0"
+        if buf.strides is not None:
+            return "(" + " + ".join(f"(int64_t){i} * {self.ex(E.as_expr(st))}" for i, st in zip(idx, buf.strides)) + ")"
         out = f"(int64_t){idx[0]}" if buf.is_global else idx[0]
         for i, d in zip(idx[1:], dims[1:]):
             out = f"({out} * {d} + {i})"

@@ -21,6 +21,7 @@ class Buffer:
             raise CompileError(f"unknown buffer scope {scope!r}; expected one of {SCOPES}")
         self.name, self.shape, self.dtype, self.scope, self.loc = name, tuple(shape), dtype, scope, loc
         self.alias: Buffer | None = None  # T.reshape: this buffer is a view of `alias`'s storage
+        self.strides: tuple | None = None  # element strides of a strided global tensor (None: row-major)
 
     @property
     def ndim(self) -> int:

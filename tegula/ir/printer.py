@@ -143,7 +143,8 @@ def func_str(f: S.PrimFunc) -> str:
             if isinstance(prm, E.Var):
                 params.append(f"{nm(prm)}: {prm.dtype}")
             else:
-                params.append(f"{nm(prm)}: Tensor{_shape(prm.shape, nm)}, {prm.dtype}")
+                strides = f", strides={_shape(prm.strides, nm)}" if prm.strides is not None else ""
+                params.append(f"{nm(prm)}: Tensor[{_shape(prm.shape, nm)}, {prm.dtype}{strides}]")
         lines = [f"def {f.name}({', '.join(params)}):"] + stmt_lines(f.body, nm, 1)
         return "\n".join(lines) + "\n"
     finally:

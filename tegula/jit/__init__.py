@@ -37,6 +37,9 @@ def _normalise_out_idx(out_idx, func: PrimFunc) -> list[int]:
         i %= n
         if isinstance(func.params[i], E.Var):
             raise ValueError(f"out_idx {i} names the scalar parameter {func.params[i].name}; outputs must be tensors")
+        if func.params[i].strides is not None:
+            raise ValueError(f"out_idx {i} names the strided tensor {func.params[i].name}; the call allocates "
+                             "contiguous outputs, so pass a strided output in yourself")
         out.append(i)
     return sorted(set(out))
 
@@ -85,8 +88,8 @@ def compile_func(func, out_idx=None, target=None, options=None) -> JITKernel:
     if hit is not None:
         return hit
     low = lower_func(func, tgt.name, options)
-    if tgt.args == "pointer":
-        filename = f"{func.name}.so"
+    if tgt.binary:
+        filename = f"{func.name}.{tgt.binary}"
         path = cache.lookup(key, filename)
         program = None
         if path is not None:

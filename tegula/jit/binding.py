@@ -120,15 +120,24 @@ class Binder:
                                      f"{values[k]} by an earlier argument")
             elif int(want) != have:
                 raise ValueError(f"{where} must have shape {_shape_str(p.shape)}, got {shape}")
-        if torch_in:
-            if a.device.type != "cpu":
-                raise ValueError(f"{where} is on {a.device}; this target runs on the CPU (move it with .cpu())")
-            if not a.is_contiguous():
-                raise ValueError(f"{where} must be contiguous (row-major); call .contiguous() first")
-        elif not a.flags.c_contiguous:
+        if torch_in and a.device.type != "cpu":
+            raise ValueError(f"{where} is on {a.device}; this target runs on the CPU (move it with .cpu())")
+        if p.strides is not None:
+            got = tuple(a.stride()) if torch_in else tuple(s // a.itemsize for s in a.strides)
+            for d, (want, have) in enumerate(zip(p.strides, got)):
+                if isinstance(want, E.Var):
+                    k = self.sym_pos[id(want)]
+                    if values[k] is None:
+                        values[k] = have
+                    elif values[k] != have:
+                        raise ValueError(f"{where}: stride {d} is {have}, but the symbol {want.name} was bound to "
+                                         f"{values[k]} by an earlier argument")
+                elif int(want) != have and shape[d] != 1:
+                    raise ValueError(f"{where} must have strides {_shape_str(p.strides)}, got {got}")
+        elif torch_in and not a.is_contiguous():
+            raise ValueError(f"{where} must be contiguous (row-major); call .contiguous() first")
+        elif not torch_in and not a.flags.c_contiguous:
             raise ValueError(f"{where} must be C-contiguous; use np.ascontiguousarray first")
-        elif not a.flags.writeable and p.name:
-            pass
         return torch_in
 
     def _alloc(self, shape, dtype_name, any_torch):
@@ -156,7 +165,7 @@ def collect_symbols(params) -> list:
     """Symbolic dims of the parameters' shapes in order of first appearance (scalar params excluded)."""
     seen, out = set(), []
     for p in params:
-        for d in getattr(p, "shape", ()):
+        for d in tuple(getattr(p, "shape", ())) + tuple(getattr(p, "strides", None) or ()):
             if isinstance(d, E.Expr) and not isinstance(d, E.Var):
                 raise ValueError(f"parameter {p.name}: a dimension must be an int or a T.dynamic symbol, got {d}")
             if isinstance(d, E.Var) and id(d) not in seen and not any(d is q for q in params):
@@ -205,8 +214,8 @@ def make_fast_call(binder: Binder, launch, slow_call):
                 conds.append(f"sh[{d}] != {int(want)}")
         lines.append(f"if {' or '.join(conds)}: return _slow(args)")
         ptrs.append(f"{a}.data_ptr()")
-    if len(bound) != len(binder.symbols):
-        return None  # a symbol bound only by a scalar or an output: leave it to the generic path
+    if len(bound) != len(binder.symbols) or any(getattr(p, "strides", None) for p in binder.params):
+        return None  # symbols bound only by outputs, or strided tensors: leave them to the generic path
     outs = []
     for pos in sorted(binder.out_idx):
         p = binder.params[pos]

@@ -26,6 +26,7 @@ from tegula.language.parser import Macro, parse
 from tegula.language.surface import (  # noqa: F401
     Cast,
     GemmWarpPolicy,
+    StridedTensor,
     Kernel,
     Parallel,
     Pipelined,

@@ -136,6 +136,7 @@ class Parser:
         ann = self.eval(arg.annotation)
         if isinstance(ann, surface.TensorType):
             buf = Buffer(arg.arg, ann.shape, ann.dtype, "global", self.loc(arg))
+            buf.strides = ann.strides
             self.bind(arg.arg, buf)
             return buf
         try:

@@ -12,14 +12,22 @@ from tegula.language.builder import current, kernel_builder
 # parameters ------------------------------------------------------------------------------------
 
 class TensorType:
-    """``T.Tensor(shape, dtype)``: the annotation of a global tensor parameter (row-major, contiguous)."""
+    """``T.Tensor(shape, dtype, strides=None)``: a global tensor parameter. Row-major and contiguous unless
+    ``strides`` (in elements; ints or T.dynamic symbols bound at call time) are given."""
 
-    def __init__(self, shape, dtype="float32", **_ignored):
+    def __init__(self, shape, dtype="float32", strides=None, **_ignored):
         shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
         for d in shape:
             if not (isinstance(d, int) or (isinstance(d, E.Expr) and d.dtype.is_int)):
                 raise CompileError(f"T.Tensor: dimension {d!r} must be an int or a symbolic dim (T.dynamic)")
-        self.shape, self.dtype = shape, dt.dtype(dtype)
+        if strides is not None:
+            strides = (strides,) if isinstance(strides, (int, E.Expr)) else tuple(strides)
+            if len(strides) != len(shape):
+                raise CompileError(f"T.Tensor: {len(strides)} strides for {len(shape)} dimensions")
+            for st in strides:
+                if not (isinstance(st, int) or isinstance(st, E.Var) and st.dtype.is_int):
+                    raise CompileError(f"T.Tensor: stride {st!r} must be an int or a T.dynamic symbol")
+        self.shape, self.dtype, self.strides = shape, dt.dtype(dtype), strides
 
     @classmethod
     def __class_getitem__(cls, item):  # T.Tensor[(M, N), "float32"]
@@ -28,6 +36,11 @@ class TensorType:
 
 
 Tensor = Buffer_ = TensorType
+
+
+def StridedTensor(shape, strides, dtype="float32"):  # noqa: N802 (TileLang's name)
+    """A global tensor parameter with explicit strides (in elements)."""
+    return TensorType(shape, dtype, strides=strides)
 
 
 def dynamic(name: str, dtype="int32") -> E.Var:
