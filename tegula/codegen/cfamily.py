@@ -177,8 +177,11 @@ class CFamilyEmitter:
         t = e.dtype
         if e.name in ("isnan", "isinf"):
             return f"{e.name}({args[0]})"
-        if e.name == "popcount":
-            return f"(({reg_type(t)})__builtin_popcountll((uint64_t){args[0]}))"
+        if e.name in ("popcount", "clz"):  # in the argument's own width: zero-extended, never sign-extended
+            w = e.args[0].dtype.bits
+            u = f"(uint64_t)(uint{w}_t){args[0]}"
+            out = f"__builtin_popcountll({u})" if e.name == "popcount" else f"(tg_clz64({u}) - {64 - w})"
+            return f"(({reg_type(t)}){out})"
         if not t.is_float:
             if e.name == "abs":
                 return f"TG_ABS({args[0]})"

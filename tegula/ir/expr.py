@@ -19,7 +19,7 @@ LOGICAL = {"and", "or"}
 UNARY = {"neg", "not", "~"}
 INTRINSICS = {
     "exp", "exp2", "log", "log2", "log10", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "pow", "floor", "ceil",
-    "abs", "sin", "cos", "round", "trunc", "fmod", "isnan", "isinf", "popcount",
+    "abs", "sin", "cos", "round", "trunc", "fmod", "isnan", "isinf", "popcount", "clz",
 }
 
 
@@ -303,7 +303,9 @@ def call(name: str, *args) -> Expr:
     t = exprs[0].dtype
     if name in ("isnan", "isinf"):
         return Call(name, exprs, dt.bool_)
-    if name == "popcount":
+    if name in ("popcount", "clz"):  # bit counts of an integer, in its own width
+        if not t.is_int:
+            raise CompileError(f"T.{name} needs an integer argument, got {t}")
         return Call(name, exprs, t)
     if name != "abs" and not t.is_float:
         exprs = [cast(e, dt.float32) for e in exprs]

@@ -190,6 +190,18 @@ sin, cos, trunc, round_ = _math("sin"), _math("cos"), _math("trunc"), _math("rou
 isnan, isinf = _math("isnan"), _math("isinf")
 
 
+def popcount(x):
+    """T.popcount(x): the number of set bits of an integer in its own width (TVM's tir.popcount); x's dtype."""
+    return E.call("popcount", x)
+
+
+def clz(x):
+    """T.clz(x): the number of leading zero bits of an integer in its own width (TVM's tir.clz), x's dtype;
+    T.clz(0) is the width (TVM leaves it undefined). With bit 31 - j standing for item j of a 32-item mask,
+    ``j = T.clz(m)`` walks the set items in order: the bit-scan that stream compaction needs."""
+    return E.call("clz", x)
+
+
 def pow(x, y):  # noqa: A001
     return E.call("pow", x, y)
 

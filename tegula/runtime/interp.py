@@ -171,6 +171,14 @@ def _popcount(x):
     return bits.astype(v.dtype)[()]
 
 
+def _clz(x):
+    v = np.asarray(x)
+    u = v.view(np.dtype(f"uint{v.dtype.itemsize * 8}")).astype(np.uint64)
+    width = v.dtype.itemsize * 8
+    length = sum((u >> np.uint64(b)) != 0 for b in range(width))  # bit length
+    return (width - np.asarray(length, np.int64)).astype(v.dtype)[()]
+
+
 # T.Parallel (vector mode) ------------------------------------------------------------------------
 
 def _iota(shape, d, start):

@@ -32,6 +32,7 @@ static inline float tg_bits2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f
 static inline uint32_t tg_f2bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline double tg_bits2d(uint64_t u) { double f; memcpy(&f, &u, 8); return f; }
 static inline uint64_t tg_d2bits(double f) { uint64_t u; memcpy(&u, &f, 8); return u; }
+static inline int32_t tg_clz64(uint64_t x) { return x ? __builtin_clzll(x) : 64; }  /* T.clz */
 static inline float tg_ldexp_small(float p, int32_t n) {  /* p * 2^n for p in [0.5, 2], n in [-151, 129] */
   int32_t n1 = n / 2, n2 = n - n1;
   return p * tg_bits2f((uint32_t)(n1 + 127) << 23) * tg_bits2f((uint32_t)(n2 + 127) << 23);
