@@ -28,6 +28,10 @@ class Config:
     cflags: str         # TEGULA_CFLAGS: extra flags appended to the C compiler's command line
     num_threads: int    # TEGULA_NUM_THREADS: threads of the c target's grid loop (0 = all cores)
     disk_cache: bool    # TEGULA_DISK_CACHE=0 disables the on-disk kernel cache
+    cuda_arch: str | None  # TEGULA_CUDA_ARCH: the cuda target's GPU arch, e.g. sm_90a or sm_80,sm_90a (default:
+                           # the device's, else sm_90a)
+    opencl_device: str | None  # TEGULA_OPENCL_DEVICE: the opencl target's device, an index into `tegula info`'s
+                               # list or part of its name (default: the first GPU, else the first device)
 
 
 def get() -> Config:
@@ -41,4 +45,6 @@ def get() -> Config:
         cflags=env.get("TEGULA_CFLAGS", ""),
         num_threads=_int("TEGULA_NUM_THREADS", 0),
         disk_cache=env.get("TEGULA_DISK_CACHE", "1") != "0",
+        cuda_arch=env.get("TEGULA_CUDA_ARCH") or None,
+        opencl_device=env.get("TEGULA_OPENCL_DEVICE") or None,
     )

@@ -13,12 +13,20 @@ class Target:
     source_ext: str         # file extension of the source (for TEGULA_DUMP)
     args: str               # how tensors are passed: "numpy" arrays or raw "pointer"s
     max_block_bytes: int | None = None
+    binary: str | None = None   # extension of the built kernel the disk cache keeps (None: nothing built)
+    device: str = "cpu"         # where tensors must live (torch device type)
+    warp_size: int | None = None    # SIMT: lanes that exchange registers (warp shuffles); None: none
+    max_threads: int | None = None  # SIMT: threads per block
 
 
 TARGETS = {
-    "c": Target("c", "cpu", "c", "tegula.codegen.c:emit_c", "c", "pointer", max_block_bytes=64 << 20),
+    "c": Target("c", "cpu", "c", "tegula.codegen.c:emit_c", "c", "pointer", max_block_bytes=64 << 20, binary="so"),
     "interp": Target("interp", "interp", "interp", "tegula.codegen.python:emit_python", "py", "numpy",
                      max_block_bytes=64 << 20),
+    "opencl": Target("opencl", "simt", "opencl", "tegula.codegen.opencl:emit_opencl", "cl", "numpy",
+                     max_block_bytes=1 << 20, binary="clbin", max_threads=1024),
+    "cuda": Target("cuda", "simt", "cuda", "tegula.codegen.cuda:emit_cuda", "cu", "pointer", max_block_bytes=227 << 10,
+                   binary="cubin", device="cuda", warp_size=32, max_threads=1024),
 }
 
 

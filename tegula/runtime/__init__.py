@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-_REGISTRY = {"c": "tegula.runtime.cpu", "interp": "tegula.runtime.interp"}
+_REGISTRY = {"c": "tegula.runtime.cpu", "interp": "tegula.runtime.interp", "opencl": "tegula.runtime.opencl",
+             "cuda": "tegula.runtime.cuda"}
 
 
 def get(name: str):

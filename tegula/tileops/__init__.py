@@ -22,4 +22,4 @@ def lowering(op_type: type, family: str):
 
 
 def _load():
-    from tegula.tileops import atomic, copy, fill, gemm, reduce  # noqa: F401
+    from tegula.tileops import atomic, copy, fill, gemm, reduce, simt  # noqa: F401

@@ -31,10 +31,17 @@
 #ifndef TEGULA_TYPES_H
 #define TEGULA_TYPES_H
 
+/* The SIMT preludes (tegula_simt.h) include this file too: OpenCL C has no standard headers (the
+ * prelude typedefs the fixed-width types first) and CUDA needs device functions, hence TG_INLINE. */
+#ifndef TG_INLINE
+#define TG_INLINE static inline
+#endif
+#ifndef __OPENCL_VERSION__
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
+#endif
 
 typedef uint16_t tg_bf16;
 typedef uint16_t tg_f16;
@@ -44,26 +51,31 @@ typedef uint8_t tg_f8e8m0;
 
 /* ---- bit casts ------------------------------------------------------------------------- */
 
-static inline uint32_t tg__f32_bits(float f) {
+#ifdef __OPENCL_VERSION__
+TG_INLINE uint32_t tg__f32_bits(float f) { return as_uint(f); }
+TG_INLINE float tg__bits_f32(uint32_t u) { return as_float(u); }
+#else
+TG_INLINE uint32_t tg__f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
 }
 
-static inline float tg__bits_f32(uint32_t u) {
+TG_INLINE float tg__bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
+#endif
 
 /* ---- narrow -> float32 (exact) ---------------------------------------------------------- */
 
-static inline float tg_bf16_to_f32(tg_bf16 x) { return tg__bits_f32((uint32_t)x << 16); }
+TG_INLINE float tg_bf16_to_f32(tg_bf16 x) { return tg__bits_f32((uint32_t)x << 16); }
 
 /* m * 2^(1 - bias - mbits), the value of a narrow subnormal with mantissa m, as float32 bits.
  * Integer-only on purpose: under gcc's default -ftrapping-math a float op that only one side of
  * a select needs is not if-converted, and the whole loop stays scalar. */
-static inline uint32_t tg__subnormal_bits(uint32_t m, uint32_t mbits, uint32_t bias) {
+TG_INLINE uint32_t tg__subnormal_bits(uint32_t m, uint32_t mbits, uint32_t bias) {
     uint32_t p = 0; /* floor(log2(m)) */
     for (uint32_t k = 1; k < mbits; k++)
         p += m >= (1u << k);
@@ -71,7 +83,7 @@ static inline uint32_t tg__subnormal_bits(uint32_t m, uint32_t mbits, uint32_t b
     return m == 0u ? 0u : bits;
 }
 
-static inline float tg_f16_to_f32(tg_f16 x) {
+TG_INLINE float tg_f16_to_f32(tg_f16 x) {
     uint32_t sign = (uint32_t)(x & 0x8000u) << 16;
     uint32_t em = x & 0x7fffu;
     uint32_t mant = em & 0x03ffu;
@@ -81,7 +93,7 @@ static inline float tg_f16_to_f32(tg_f16 x) {
     return tg__bits_f32(sign | mag);
 }
 
-static inline float tg_f8e4m3_to_f32(tg_f8e4m3 x) {
+TG_INLINE float tg_f8e4m3_to_f32(tg_f8e4m3 x) {
     uint32_t sign = (uint32_t)(x & 0x80u) << 24;
     uint32_t em = x & 0x7fu;
     uint32_t normal = (em << 20) + ((127u - 7u) << 23);
@@ -90,9 +102,9 @@ static inline float tg_f8e4m3_to_f32(tg_f8e4m3 x) {
 }
 
 /* f8e5m2 is the top byte of an f16. */
-static inline float tg_f8e5m2_to_f32(tg_f8e5m2 x) { return tg_f16_to_f32((tg_f16)((uint32_t)x << 8)); }
+TG_INLINE float tg_f8e5m2_to_f32(tg_f8e5m2 x) { return tg_f16_to_f32((tg_f16)((uint32_t)x << 8)); }
 
-static inline float tg_f8e8m0_to_f32(tg_f8e8m0 x) {
+TG_INLINE float tg_f8e8m0_to_f32(tg_f8e8m0 x) {
     uint32_t e = x;
     uint32_t bits = e == 0u ? 0x00400000u : (e == 0xffu ? 0x7f800001u : e << 23);
     return tg__bits_f32(bits);
@@ -104,7 +116,7 @@ static inline float tg_f8e8m0_to_f32(tg_f8e8m0 x) {
  * bits and exponent bias `bias`, returning the unsigned code (not clamped: anything at or above
  * the infinity code means overflow).  The arguments are constants at every call, so this
  * folds into straight-line integer code with one variable shift for the subnormal range. */
-static inline uint32_t tg__round_narrow(uint32_t a, uint32_t mbits, uint32_t bias) {
+TG_INLINE uint32_t tg__round_narrow(uint32_t a, uint32_t mbits, uint32_t bias) {
     const uint32_t drop = 23u - mbits;          /* float32 mantissa bits that go away */
     const uint32_t emin = 127u - bias + 1u;     /* float32 exponent field of the smallest normal */
     uint32_t e = a >> 23;
@@ -119,13 +131,13 @@ static inline uint32_t tg__round_narrow(uint32_t a, uint32_t mbits, uint32_t bia
     return (t + (1u << (drop - 1u)) - 1u + ((t >> drop) & 1u)) >> drop;
 }
 
-static inline tg_bf16 tg_f32_to_bf16(float f) {
+TG_INLINE tg_bf16 tg_f32_to_bf16(float f) {
     uint32_t x = tg__f32_bits(f);
     uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
     return (tg_bf16)((x & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
 }
 
-static inline tg_f16 tg_f32_to_f16(float f) {
+TG_INLINE tg_f16 tg_f32_to_f16(float f) {
     uint32_t x = tg__f32_bits(f);
     uint32_t a = x & 0x7fffffffu;
     uint32_t r = tg__round_narrow(a, 10u, 15u);
@@ -134,7 +146,7 @@ static inline tg_f16 tg_f32_to_f16(float f) {
     return (tg_f16)(((x >> 16) & 0x8000u) | (a > 0x7f800000u ? nan : r));
 }
 
-static inline tg_f8e4m3 tg_f32_to_f8e4m3(float f) {
+TG_INLINE tg_f8e4m3 tg_f32_to_f8e4m3(float f) {
     uint32_t x = tg__f32_bits(f);
     uint32_t a = x & 0x7fffffffu;
     uint32_t r = tg__round_narrow(a, 3u, 7u);
@@ -142,7 +154,7 @@ static inline tg_f8e4m3 tg_f32_to_f8e4m3(float f) {
     return (tg_f8e4m3)(((x >> 24) & 0x80u) | (a > 0x7f800000u ? 0x7fu : r));
 }
 
-static inline tg_f8e5m2 tg_f32_to_f8e5m2(float f) {
+TG_INLINE tg_f8e5m2 tg_f32_to_f8e5m2(float f) {
     uint32_t x = tg__f32_bits(f);
     uint32_t a = x & 0x7fffffffu;
     uint32_t r = tg__round_narrow(a, 2u, 15u);
@@ -156,7 +168,7 @@ static inline tg_f8e5m2 tg_f32_to_f8e5m2(float f) {
  * bit is odd): for normal x that is round half up in the linear value (1.5 -> 2, 1.4999 -> 1,
  * 3 -> 4, 5 -> 4, 6 -> 8); subnormals up to 2^-127 give code 0, those above it code 1 (2^-126).
  * 254 rounding up gives 255 = NaN, as do inf and NaN. */
-static inline tg_f8e8m0 tg_f32_to_f8e8m0(float f) {
+TG_INLINE tg_f8e8m0 tg_f32_to_f8e8m0(float f) {
     uint32_t x = tg__f32_bits(f);
     uint32_t e = (x >> 23) & 0xffu;
     uint32_t up = (x & 0x00400000u) != 0u && ((x & 0x003fffffu) != 0u || e != 0u);
@@ -166,7 +178,7 @@ static inline tg_f8e8m0 tg_f32_to_f8e8m0(float f) {
 /* ---- between narrow types, through float32 (exact widening, so one rounding) ------------ */
 
 #define TG__CONVERT_VIA_F32(from, to) \
-    static inline tg_##to tg_##from##_to_##to(tg_##from x) { return tg_f32_to_##to(tg_##from##_to_f32(x)); }
+    TG_INLINE tg_##to tg_##from##_to_##to(tg_##from x) { return tg_f32_to_##to(tg_##from##_to_f32(x)); }
 
 TG__CONVERT_VIA_F32(bf16, f16)
 TG__CONVERT_VIA_F32(f16, bf16)
@@ -190,20 +202,20 @@ TG__CONVERT_VIA_F32(f16, f8e8m0)
 /* The divisor is replaced before dividing so no input reaches a trapping idiv: b == 0 returns 0,
  * and b == -1 divides by 1 and negates in unsigned arithmetic (INT_MIN // -1 == INT_MIN). */
 #define TG__FLOOR_INT(bits)                                                              \
-    static inline int##bits##_t tg_floordiv_i##bits(int##bits##_t a, int##bits##_t b) {  \
+    TG_INLINE int##bits##_t tg_floordiv_i##bits(int##bits##_t a, int##bits##_t b) {  \
         int##bits##_t d = (b == 0 || b == -1) ? 1 : b;                                    \
         int##bits##_t q = a / d, r = a % d;                                               \
         q -= (r != 0) & ((r ^ d) < 0);                                                    \
         q = b == -1 ? (int##bits##_t)(0u - (uint##bits##_t)a) : q;                        \
         return b == 0 ? 0 : q;                                                            \
     }                                                                                     \
-    static inline int##bits##_t tg_floormod_i##bits(int##bits##_t a, int##bits##_t b) {  \
+    TG_INLINE int##bits##_t tg_floormod_i##bits(int##bits##_t a, int##bits##_t b) {  \
         int##bits##_t d = (b == 0 || b == -1) ? 1 : b;                                    \
         int##bits##_t r = a % d;                                                          \
         r += ((r != 0) & ((r ^ d) < 0)) ? d : 0;                                          \
         return b == 0 ? 0 : r;                                                            \
     }                                                                                     \
-    static inline int##bits##_t tg_ceildiv_i##bits(int##bits##_t a, int##bits##_t b) {   \
+    TG_INLINE int##bits##_t tg_ceildiv_i##bits(int##bits##_t a, int##bits##_t b) {   \
         int##bits##_t d = (b == 0 || b == -1) ? 1 : b;                                    \
         int##bits##_t q = a / d, r = a % d;                                               \
         q += (r != 0) & ((r ^ d) >= 0);                                                   \
@@ -218,16 +230,16 @@ TG__FLOOR_INT(64)
 
 /* ---- float helpers ------------------------------------------------------------------------ */
 
-static inline float tg_rsqrtf(float x) { return 1.0f / sqrtf(x); }
+TG_INLINE float tg_rsqrtf(float x) { return 1.0f / sqrtf(x); }
 /* tg_expf, tg_exp2f, tg_logf, tg_sigmoidf, tg_tanhf (vectorisable) live in tegula_rt.h */
 
 /* C99 fmaxf/fminf: a NaN operand is ignored.  Written as selects, which vectorise where a
  * libm call would not. */
-static inline float tg_fmaxf(float a, float b) { return a > b ? a : (b == b ? b : a); }
-static inline float tg_fminf(float a, float b) { return a < b ? a : (b == b ? b : a); }
+TG_INLINE float tg_fmaxf(float a, float b) { return a > b ? a : (b == b ? b : a); }
+TG_INLINE float tg_fminf(float a, float b) { return a < b ? a : (b == b ? b : a); }
 
 /* torch.maximum/minimum: a NaN operand propagates. */
-static inline float tg_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
-static inline float tg_minf(float a, float b) { return (a < b || a != a) ? a : b; }
+TG_INLINE float tg_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
+TG_INLINE float tg_minf(float a, float b) { return (a < b || a != a) ? a : b; }
 
 #endif /* TEGULA_TYPES_H */
