@@ -33,8 +33,9 @@ class Binder:
     """Binds the arguments of one kernel: ``params`` are Buffers and scalar Vars; ``out_idx`` positions are
     allocated by the call; ``symbols`` are the symbolic dims in the order the launch passes them."""
 
-    def __init__(self, name: str, params: list, out_idx: list[int], symbols: list):
+    def __init__(self, name: str, params: list, out_idx: list[int], symbols: list, device: str = "cpu"):
         self.name, self.params, self.out_idx, self.symbols = name, params, set(out_idx), symbols
+        self.device = device  # torch device type the tensors must be on
         self.inputs = [i for i in range(len(params)) if i not in self.out_idx]
         self.sym_pos = {id(v): k for k, v in enumerate(symbols)}
 
@@ -120,8 +121,11 @@ class Binder:
                                      f"{values[k]} by an earlier argument")
             elif int(want) != have:
                 raise ValueError(f"{where} must have shape {_shape_str(p.shape)}, got {shape}")
-        if torch_in and a.device.type != "cpu":
-            raise ValueError(f"{where} is on {a.device}; this target runs on the CPU (move it with .cpu())")
+        if torch_in and a.device.type != self.device:
+            raise ValueError(f"{where} is on {a.device}; this target runs on the {self.device.upper()} (move it with "
+                             f".{self.device}())")
+        if not torch_in and self.device != "cpu":
+            raise TypeError(f"{where} must be a torch {self.device} tensor, got a numpy array")
         if p.strides is not None:
             got = tuple(a.stride()) if torch_in else tuple(s // a.itemsize for s in a.strides)
             for d, (want, have) in enumerate(zip(p.strides, got)):
@@ -142,7 +146,7 @@ class Binder:
 
     def _alloc(self, shape, dtype_name, any_torch):
         if any_torch:
-            return torch_mod().empty(shape, dtype=torch_dtype(dtype_name))
+            return torch_mod().empty(shape, dtype=torch_dtype(dtype_name), device=self.device)
         import numpy as np
 
         from tegula.runtime.interp import np_dtype
@@ -181,7 +185,7 @@ def make_fast_call(binder: Binder, launch, slow_call):
     (no fast path is worth building then)."""
     import sys
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or binder.device != "cpu":
         return None
     lines, names, ptrs = [], [], []
     env = {"_launch": launch, "_slow": slow_call, "_Tensor": torch.Tensor, "_empty": torch.empty}

@@ -8,7 +8,7 @@ class JITKernel:
     def __init__(self, func, lowered, source: str, target, program, out_idx: list[int], symbols: list):
         self.func, self.lowered, self.source, self.target = func, lowered, source, target
         self.program, self.out_idx, self.symbols = program, out_idx, symbols
-        self.binder = Binder(func.name, func.params, out_idx, symbols)
+        self.binder = Binder(func.name, func.params, out_idx, symbols, device=target.device)
         self._pointer = target.args == "pointer"
         self._fast = None
         self._nargs = len(self.binder.inputs)
@@ -39,6 +39,9 @@ class JITKernel:
         return self._generic(args, kwargs)
 
     def _generic(self, args, kwargs):
+        ready = getattr(self.program, "ready", None)
+        if ready is not None:  # a device the kernel needs and this machine lacks: say so before anything else
+            ready()
         full, symvals, outs, _ = self.binder.bind(args, kwargs)
         if self._pointer:
             self.program.launch(*[_ptr(a) for a in full], *symvals)
