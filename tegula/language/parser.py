@@ -269,6 +269,10 @@ class Parser:
         if isinstance(cur, Buffer) and cur.scope == "local.var" and not isinstance(value, Buffer):
             B.emit_store(cur, 0, value)
             return
+        if sc is not None and sc is not self.scopes[-1] and isinstance(cur, (bool, int, float)):
+            raise self.err(node, f"'{name}' holds the compile-time value {cur!r} from outside this loop/branch; "
+                                 "assigning to it here would not change it after the block. Make it a runtime "
+                                 f"variable first (e.g. `{name} = T.float32({cur!r})` or T.alloc_var)")
         if isinstance(value, Buffer):
             if getattr(value, "auto_name", False):
                 value.name, value.auto_name = name, False
