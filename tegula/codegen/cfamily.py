@@ -203,19 +203,46 @@ class CFamilyEmitter:
         idx = [self.ex(i) for i in indices]
         if not idx:
             return "0"
+        if buf.is_global:  # each term widened on its own: a loop variable stays affine under -fwrapv (no gathers)
+            idx = [self.wide(i) for i in indices]
         if buf.strides is not None:
-            return "(" + " + ".join(f"(int64_t){i} * {self.ex(E.as_expr(st))}" for i, st in zip(idx, buf.strides)) + ")"
-        out = f"(int64_t){idx[0]}" if buf.is_global else idx[0]
+            return "(" + " + ".join(f"{i} * {self.ex(E.as_expr(st))}" for i, st in zip(idx, buf.strides)) + ")"
+        out = idx[0]
         for i, d in zip(idx[1:], dims[1:]):
             out = f"({out} * {d} + {i})"
         return out
 
+    def wide(self, e) -> str:
+        """An index as 64-bit C, sums split so that ``(by * W) + j`` becomes ``(int64_t)(by * W) + (int64_t)j``."""
+        e = E.as_expr(e)
+        if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32:
+            return f"({self.wide(e.a)} {e.op} {self.wide(e.b)})"
+        return f"(int64_t){self.ex(e)}"
+
     def store_value(self, buf, value: E.Expr) -> str:
         if not buf.dtype.is_narrow_float:
             return self.ex(value)
+        raw = self.raw_bits(value, buf.dtype)
+        if raw is not None:
+            return raw
         if isinstance(value, E.Cast) and value.value.dtype.is_float:  # narrow once, not round-then-narrow
             value = value.value
         return f"tg_f32_to_{SUFFIX[buf.dtype.name]}((float){self.ex(value)})"
+
+    def raw_bits(self, value: E.Expr, d) -> str | None:
+        """The bits of a narrow-float value that needs no conversion to be stored as ``d`` (a load of ``d``,
+        possibly cast to ``d`` or selected against +0, as a same-dtype T.copy makes), else None: a plain copy."""
+        while isinstance(value, E.Cast) and value.dtype == d:
+            value = value.value
+        if isinstance(value, E.Load) and value.dtype == d:
+            return f"{self.nm(value.buffer)}[{self.flat(value.buffer, value.indices)}]"
+        if isinstance(value, E.Select) and value.dtype == d:
+            a, b = self.raw_bits(value.a, d), self.raw_bits(value.b, d)
+            if a is not None and b is not None:
+                return f"({self.ex(value.cond)} ? {a} : {b})"
+        if isinstance(value, E.Const) and value.value == 0 and math.copysign(1, value.value) > 0:
+            return f"(({STORAGE[d.name]})0)"
+        return None
 
     # statements --------------------------------------------------------------------------------
     def stmt(self, s) -> None:
