@@ -1,0 +1,238 @@
+"""Top-k along the rows of a [batch, n] tensor, DeepSelect's ``deep_select.topk`` on tegula's kernels.
+
+``from tegula.ops.topk import topk`` takes the arguments of ``deep_select.topk`` (names, order, defaults and the
+NaN / short-row conventions; see its docstring) and runs the T.* kernels of ``_topk_kernels``: each row is
+scanned once against a rising threshold into a small candidate buffer that a radix select cuts back to k. Rows
+run one per core; when there are fewer rows than cores, long rows are split into segments whose top-k are merged.
+
+Where tegula differs from DeepSelect: float16 input is accepted too, ``sorted=True`` works for every input
+dtype, ``output_idx_offset`` is supported, ``begin`` and ``hint`` must be None (as in DeepSelect today), and a
+NaN found with ``abort_when_nan_found=True`` raises ValueError instead of aborting the process. Results are
+deterministic: ties at the k-th value keep the lowest indices, unsorted output lists indices in ascending order
+(so ``sorted_index`` costs nothing) and ``sorted=True`` orders equal values by index.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+from tegula.ops import _topk_kernels as K
+
+__all__ = ["topk", "get_stride_requirement"]
+
+MAX_TOPK = K.KMAX
+NAN_FLAG = K.NAN_FLAG
+SPLIT_MIN_SEGMENT = 1 << 16   # a row is split over cores only into segments of at least this many elements
+
+_DTYPES = {"torch.bfloat16": (16, 0x7F80), "torch.float16": (16, 0x7C00), "torch.float32": (32, 0x7F800000)}
+_RAW = {16: "int16", 32: "int32"}
+
+
+def get_stride_requirement() -> tuple[int, int]:
+    """(input, output) row-stride alignment in bytes, as ``deep_select.get_stride_requirement()``.
+
+    tegula's kernels take any row stride (a non-contiguous input or ``output_idx`` is copied once), so this only
+    states the element alignment every bf16/fp16/fp32 input and int64 index row already has."""
+    return (2, 8)
+
+
+def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_type=None,  # noqa: A002
+         sorted_index: bool = False, hint=None, output_idx=None, output_idx_offset=None,
+         idx_oob_fill_value: int = 2147483647, value_oob_fill_value: float = float("-inf"),
+         return_value: bool = True, abort_when_nan_found: bool = True, *, target: str | None = None):
+    """The ``topk`` largest values of each row of ``input`` and their column indices.
+
+    input: (batch, n) torch CPU tensor, bfloat16 / float16 / float32. topk: 1..4096.
+    sorted: values in descending order (equal values by ascending index); needs return_value.
+    end: optional (batch,) int32 tensor, 0 <= end[i] <= n: row i is input[i, :end[i]].
+    indices_type: torch.int64 (default) or torch.int32. sorted_index: indices in ascending order (also what
+    unsorted output gives). output_idx: optional (batch, topk) tensor of indices_type to write into.
+    output_idx_offset: optional (batch,) int32 tensor added to every selected index of its row.
+    A row with fewer than topk elements lists them all first; the rest of its indices are
+    idx_oob_fill_value (no offset added) and of its values value_oob_fill_value.
+    NaN in a row longer than topk raises ValueError, or with abort_when_nan_found=False sets that row's
+    indices[row, 0] to 0x3F3F3F3F (the rest of such a row is unspecified); shorter rows are not checked.
+    return_value=False skips the values: the result is (None, indices).
+    target: tegula target (default: TEGULA_TARGET, else the best available).
+    Returns (values or None, indices), both (batch, topk).
+    """
+    import torch
+
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"topk: input must be a torch.Tensor, got {type(input).__name__}")
+    spec = _DTYPES.get(str(input.dtype))
+    if spec is None:
+        raise TypeError(f"topk: input must be bfloat16, float16 or float32, got {input.dtype}")
+    if input.dim() != 2:
+        raise ValueError(f"topk: input must be 2-D (batch, n), got shape {tuple(input.shape)}")
+    if input.device.type != "cpu":
+        raise ValueError(f"topk: input is on {input.device}; tegula's topk runs on the CPU")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk: topk must be an int, got {type(topk).__name__}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk: topk must be in [1, {MAX_TOPK}], got {topk}")
+    for name, v in (("sorted", sorted), ("sorted_index", sorted_index), ("return_value", return_value),
+                    ("abort_when_nan_found", abort_when_nan_found)):
+        if not isinstance(v, bool):
+            raise TypeError(f"topk: {name} must be a bool, got {type(v).__name__}")
+    if sorted and not return_value:
+        raise ValueError("topk: sorted=True needs return_value=True")
+    if sorted and sorted_index:
+        raise ValueError("topk: sorted and sorted_index cannot both be True")
+    if begin is not None:
+        raise ValueError("topk: begin is not supported (pass None, as DeepSelect requires)")
+    if hint is not None:
+        raise ValueError("topk: hint is not supported (pass None, as DeepSelect requires)")
+    if indices_type is None:
+        indices_type = torch.int64
+    if indices_type not in (torch.int32, torch.int64):
+        raise TypeError(f"topk: indices_type must be torch.int32 or torch.int64, got {indices_type}")
+    if not isinstance(idx_oob_fill_value, int) or not -2**31 <= idx_oob_fill_value < 2**31:
+        raise ValueError(f"topk: idx_oob_fill_value must be an int32, got {idx_oob_fill_value!r}")
+    if not isinstance(value_oob_fill_value, (int, float)) or isinstance(value_oob_fill_value, bool):
+        raise TypeError(f"topk: value_oob_fill_value must be a float, got {type(value_oob_fill_value).__name__}")
+    batch, n = input.shape
+    if n >= 2**31 - K.CHUNK:
+        raise ValueError(f"topk: rows of {n} elements are too long (at most {2**31 - K.CHUNK - 1})")
+    end = _row_vector(torch, end, "end", batch)
+    off = _row_vector(torch, output_idx_offset, "output_idx_offset", batch)
+    dest = None
+    if output_idx is not None:
+        if not isinstance(output_idx, torch.Tensor):
+            raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
+        if output_idx.dtype != indices_type:
+            raise TypeError(f"topk: output_idx has dtype {output_idx.dtype}, but indices_type is {indices_type}")
+        if tuple(output_idx.shape) != (batch, topk):
+            raise ValueError(f"topk: output_idx must have shape {(batch, topk)}, got {tuple(output_idx.shape)}")
+        if output_idx.device.type != "cpu":
+            raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
+        if output_idx.is_contiguous():
+            indices = output_idx
+        else:
+            dest, indices = output_idx, torch.empty((batch, topk), dtype=indices_type)
+    else:
+        indices = torch.empty((batch, topk), dtype=indices_type)
+    values = torch.empty((batch, topk), dtype=input.dtype)
+    if batch == 0:
+        return (values if return_value else None), (output_idx if output_idx is not None else indices)
+    if not input.is_contiguous():
+        input = input.contiguous()
+
+    bits, inf_mag = spec
+    raw = getattr(torch, _RAW[bits])
+    tgt = _target(target)
+    idx_name = "int32" if indices_type is torch.int32 else "int64"
+    b2 = min(max(topk, 512), K.B2MAX)
+    x, vraw = input.view(raw), values.view(raw)
+    flags, flags_np = _flags(torch)
+    fill = _fill_bits(torch, input.dtype, raw, float(value_oob_fill_value))
+    end_t = end if end is not None else _full(torch, batch, n)
+    off_t = off if off is not None else _full(torch, batch, 0)
+    nseg = _segments(batch, n)
+    if nseg == 1:
+        K.get("rows", tgt, bits, idx_name)(x, end_t, off_t, vraw, indices, flags, int(sorted), b2,
+                                           idx_oob_fill_value, fill, inf_mag)
+    else:
+        seg = -(-n // nseg)
+        seg = -(-seg // K.CHUNK) * K.CHUNK
+        nseg = -(-n // seg)
+        wk = torch.empty((batch, nseg * topk), dtype=torch.int32)
+        wi = torch.empty((batch, nseg * topk), dtype=torch.int32)
+        wm = torch.empty((batch, nseg), dtype=torch.int32)
+        K.get("parts", tgt, bits)(x, end_t, wk, wi, wm, topk, seg, b2)
+        K.get("merge", tgt, bits, idx_name)(wk, wi, wm, end_t, off_t, vraw, indices, flags, n, int(sorted), b2,
+                                            idx_oob_fill_value, fill, inf_mag)
+    if flags_np[1]:
+        bad = [i for i, e in enumerate(end.tolist()) if not 0 <= e <= n]
+        raise ValueError(f"topk: end[{bad[0]}] = {int(end[bad[0]])} is outside [0, {n}] (n = input.shape[1])")
+    if flags_np[0] and abort_when_nan_found:
+        rows = (indices[:, 0] == NAN_FLAG).nonzero().flatten().tolist()
+        raise ValueError(f"topk: input row {rows[0] if rows else '?'} holds NaN (abort_when_nan_found=True; pass "
+                         "False to get the row flagged with indices[row, 0] = 0x3F3F3F3F instead)")
+    if dest is not None:
+        dest.copy_(indices)
+        indices = dest
+    return (values if return_value else None), indices
+
+
+# helpers ---------------------------------------------------------------------------------------------
+
+def _row_vector(torch, t, name, batch):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"topk: {name} must be a torch.Tensor of int32, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"topk: {name} must have dtype torch.int32, got {t.dtype}")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"topk: {name} must have shape ({batch},), got {tuple(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"topk: {name} is on {t.device}; it must be on the CPU")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+_CACHE: dict = {}
+_LOCAL = threading.local()
+
+
+def _full(torch, batch, value):
+    """A cached (batch,) int32 tensor of ``value`` (the default end / offset); kernels only read it."""
+    key = ("full", batch, value)
+    t = _CACHE.get(key)
+    if t is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        t = _CACHE[key] = torch.full((batch,), value, dtype=torch.int32)
+    return t
+
+
+def _fill_bits(torch, dtype, raw, value):
+    """value_oob_fill_value rounded to the input dtype, as the signed integer of its bits."""
+    key = ("fill", dtype, value)
+    bits = _CACHE.get(key)
+    if bits is None:
+        bits = _CACHE[key] = int(torch.tensor([value], dtype=dtype).view(raw)[0])
+    return bits
+
+
+def _flags(torch):
+    """This thread's (2,) int32 status words, zeroed: [a NaN row was seen, an end was out of range]."""
+    f = getattr(_LOCAL, "flags", None)
+    if f is None:
+        t = torch.zeros(2, dtype=torch.int32)
+        f = _LOCAL.flags = (t, t.numpy())
+    f[1][:] = 0
+    return f
+
+
+def _target(target):
+    if target is not None:
+        return target
+    t = _CACHE.get("target")
+    if t is None:
+        from tegula.jit.targets import resolve
+        t = _CACHE["target"] = resolve(None).name
+    return t
+
+
+def _segments(batch, n) -> int:
+    """How many segments each row is split into: enough for every core to have work when rows are few."""
+    threads = _threads()
+    if batch >= threads or n < 2 * SPLIT_MIN_SEGMENT:
+        return 1
+    return max(1, min(math.ceil(2 * threads / batch), n // SPLIT_MIN_SEGMENT))
+
+
+def _threads() -> int:
+    t = _CACHE.get("threads")
+    if t is None:
+        from tegula import config
+        t = config.get().num_threads
+        if t <= 0:
+            try:
+                t = len(os.sched_getaffinity(0))
+            except AttributeError:
+                t = os.cpu_count() or 1
+        _CACHE["threads"] = t
+    return t
