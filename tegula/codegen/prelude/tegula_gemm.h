@@ -205,6 +205,39 @@ static inline void tg__gemm_dot_f32(int M, int N, int K, const float *A, int lda
     }
 }
 
+/* Tiles the caller reads next (the sources of the next step's copies in a pipelined loop): their cache
+ * lines are prefetched a few at a time between register blocks, so that those loads overlap this product. */
+typedef struct {
+    const void *p; /* first byte of the first row */
+    long ld;       /* bytes between rows */
+    int rows, bytes;
+} tg_gemm_next;
+
+typedef struct {
+    const char *p[2];
+    long ld[2];
+    int per_row[2], lines[2], l[2], step;
+} tg__pf;
+
+TG__ALWAYS_INLINE void tg__pf_init(tg__pf *s, const tg_gemm_next *nx, int blocks)
+{
+    int total = 0;
+    for (int t = 0; t < 2; t++) {
+        s->p[t] = (const char *)nx[t].p, s->ld[t] = nx[t].ld, s->l[t] = 0;
+        s->per_row[t] = (nx[t].bytes + 63) / 64 + 1; /* rows need not start on a line */
+        s->lines[t] = nx[t].p ? s->per_row[t] * nx[t].rows : 0;
+        total += s->lines[t];
+    }
+    s->step = (total + blocks - 1) / (blocks > 0 ? blocks : 1);
+}
+
+TG__ALWAYS_INLINE void tg__pf_step(tg__pf *s)
+{
+    for (int t = 0, n = s->step; t < 2; t++)
+        for (; n > 0 && s->l[t] < s->lines[t]; n--, s->l[t]++)
+            __builtin_prefetch(s->p[t] + (s->l[t] / s->per_row[t]) * s->ld[t] + 64 * (s->l[t] % s->per_row[t]));
+}
+
 TG__ALWAYS_INLINE int tg__fmt(int dt)
 {
     if (TG__HAVE_BF16_PAIRS && (dt == TG__DT_BF16 || dt == TG__DT_E4M3 || dt == TG__DT_E5M2))
@@ -218,7 +251,7 @@ TG__ALWAYS_INLINE int tg__fmt(int dt)
  * with a constant row count so that its accumulators live in registers. */
 TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, const char *A, long ars, long aus,
                                   const char *B, long bus, char *C, long ldc, int first, int c_i32,
-                                  const int32_t *cs)
+                                  const int32_t *cs, tg__pf *pf)
 {
 #define TG__K(R, NR) tg__kernel(fmt, R, units, tail, A + i * ars, ars, aus, B + 4 * j, bus, NR, \
                                 C + 4 * (i * ldc + j), ldc, first, c_i32, cs + j)
@@ -229,6 +262,8 @@ TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, 
                 TG__K(R, TG_GEMM_NR);                                                     \
             else                                                                          \
                 TG__K(R, nc - j);                                                         \
+            if (pf)                                                                       \
+                tg__pf_step(pf);                                                          \
         }
     int i = 0;
     TG__ROWS(TG_GEMM_MR)
@@ -243,12 +278,15 @@ TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, 
 
 /* The one driver behind every tg_gemm_<dt>; dt is a constant at every call. */
 TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
-                                int ldb, int transB, void *C, int ldc, int clear)
+                                int ldb, int transB, void *C, int ldc, int clear, const tg_gemm_next *next)
 {
-    enum { NC = 128, MC = 64 };
+    enum { NC = 128, MC = 64 }; /* the most columns of a packed B panel and rows of a packed A panel */
     const int fmt = tg__fmt(dt), es = tg__esize(dt), c_i32 = dt == TG__DT_I8;
     const int epu = fmt == TG__F32 ? 1 : fmt == TG__BF16 ? 2 : 4; /* elements per unit */
     const int b_direct = TG__DIRECT_B && dt == TG__DT_F32 && !transB;
+    const int a_direct = dt == TG__DT_F32 || (dt == TG__DT_BF16 && fmt == TG__BF16 && !transA);
+    /* operands read in place are not cut into panels, so that constant M and N reach the blocking */
+    const int MCc = a_direct ? M : MC, NCc = b_direct ? N : NC;
     const char *a8 = (const char *)A, *b8 = (const char *)B;
     if (K <= 0) {
         for (int i = 0; clear && i < M; i++)
@@ -259,6 +297,9 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
         tg__gemm_dot_f32(M, N, K, (const float *)A, lda, (const float *)B, ldb, (float *)C, ldc, clear);
         return;
     }
+    tg__pf pf;
+    if (next)
+        tg__pf_init(&pf, next, ((M + TG_GEMM_MR - 1) / TG_GEMM_MR) * ((N + TG_GEMM_NR - 1) / TG_GEMM_NR));
     /* K per panel: the B panel is at most 64 KiB, KC <= 128 keeps int8 exact in fp32 */
     const int KC = b_direct ? K : 128 * epu;
     char bbuf[128 * NC * 4] __attribute__((aligned(64)));
@@ -266,13 +307,13 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
     int32_t cs[NC] __attribute__((aligned(64)));
     for (int k0 = 0; k0 < K; k0 += KC) {
         const int kc = TG__MIN(KC, K - k0), first = clear && k0 == 0;
-        const int units = kc / epu, tail = kc % epu, ku = units + (tail > 0);
-        for (int j0 = 0; j0 < N; j0 += NC) {
-            const int nc = TG__MIN(NC, N - j0), ldd = TG__ROUND(nc, 32);
+        /* a partial last unit: read in part from a bf16 A in place; packed A and B are zero-padded */
+        const int tail = fmt == TG__BF16 ? kc % 2 : 0, units = fmt == TG__BF16 ? kc / 2 : (kc + epu - 1) / epu;
+        for (int j0 = 0; j0 < N; j0 += NCc) {
+            const int nc = TG__MIN(NCc, N - j0), ldd = TG__ROUND(nc, 32);
             const char *bp = bbuf;
             long bus = 4L * ldd;
             const char *bsrc = b8 + (transB ? (long)j0 * ldb + k0 : (long)k0 * ldb + j0) * es;
-            (void)ku;
             if (b_direct) {
                 bp = bsrc;
                 bus = 4L * ldb;
@@ -294,15 +335,13 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
                 tg__pack_quads((int8_t *)bbuf, ldd, (const int8_t *)bsrc, transB ? 1 : ldb, transB ? ldb : 1, kc, nc, cs);
             }
 #endif
-            for (int i0 = 0; i0 < M; i0 += MC) {
-                const int mc = TG__MIN(MC, M - i0);
+            for (int i0 = 0; i0 < M; i0 += MCc) {
+                const int mc = TG__MIN(MCc, M - i0);
                 const char *asrc = a8 + (transA ? (long)k0 * lda + i0 : (long)i0 * lda + k0) * es;
                 const char *ap = abuf;
                 long ars, aus; /* byte strides of A's rows and units */
-                if ((dt == TG__DT_F32 || (dt == TG__DT_BF16 && fmt == TG__BF16) || fmt == TG__I8) && !transA) {
-                    ap = asrc, ars = (long)lda * es, aus = 4;
-                } else if (dt == TG__DT_F32) {
-                    ap = asrc, ars = 4, aus = 4L * lda;
+                if (a_direct) {
+                    ap = asrc, ars = transA ? 4 : (long)lda * es, aus = transA ? 4L * lda : 4;
                 } else if (fmt == TG__F32) {
                     int ld = TG__ROUND(transA ? mc : kc, 16);
                     tg__pack_rows_f32(dt, (float *)abuf, ld, asrc, lda, transA ? kc : mc, transA ? mc : kc);
@@ -320,7 +359,11 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
                 }
 #endif
 #if TG__HAVE_I8_QUADS
-                else if (fmt == TG__I8) {
+                else if (fmt == TG__I8 && !transA) {
+                    int ld = TG__ROUND(kc, 64);
+                    tg__pack_rows_u8((int8_t *)abuf, ld, (const int8_t *)asrc, lda, mc, kc);
+                    ars = ld, aus = 4;
+                } else if (fmt == TG__I8) {
                     int ld = TG__ROUND(mc, 32);
                     tg__pack_quads((int8_t *)abuf, ld, (const int8_t *)asrc, lda, 1, kc, mc, NULL);
                     ars = 4, aus = 4L * ld;
@@ -330,17 +373,25 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
                     ars = aus = 0; /* unreachable */
                 }
                 tg__blocks(fmt, mc, nc, units, tail, ap, ars, aus, bp, bus, (char *)C + 4 * ((long)i0 * ldc + j0), ldc,
-                           first, c_i32, cs);
+                           first, c_i32, cs, next ? &pf : NULL);
             }
         }
     }
 }
 
+/* tg_gemm_<dt>_next: the same, and `next` (2 tiles; p == NULL for none) is prefetched meanwhile */
 #define TG__GEMM_DEFINE(NAME, DT, TIN, TC)                                                              \
     static inline void tg_gemm_##NAME(int M, int N, int K, const TIN *A, int lda, int transA, const TIN *B, \
                                       int ldb, int transB, TC *C, int ldc, int clear)                   \
     {                                                                                                   \
-        tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear);                           \
+        tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, NULL);                     \
+    }                                                                                                   \
+    static inline void tg_gemm_##NAME##_next(int M, int N, int K, const TIN *A, int lda, int transA,    \
+                                             const TIN *B, int ldb, int transB, TC *C, int ldc, int clear, \
+                                             tg_gemm_next a_next, tg_gemm_next b_next)                  \
+    {                                                                                                   \
+        tg_gemm_next next[2] = {a_next, b_next};                                                        \
+        tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, next);                     \
     }
 TG__GEMM_DEFINE(f32, TG__DT_F32, float, float)
 TG__GEMM_DEFINE(bf16, TG__DT_BF16, tg_bf16, float)

@@ -5,8 +5,8 @@
  *   TG__F32   one fp32 per unit, vfmadd231ps (every dtype on a target without the instructions below);
  *   TG__BF16  a pair of bf16 per unit, vdpbf16ps (__AVX512BF16__: bf16, and fp8 converted to bf16,
  *             which holds every e4m3/e5m2 value exactly); measured at twice the fp32 FMA rate on Zen 4;
- *   TG__I8    four int8 per unit, vpdpbusd (__AVX512VNNI__): A is offset to unsigned by +128 (an xor of
- *             the sign bit) and 128 * (column sums of B) is subtracted at the end, so int32 is exact.
+ *   TG__I8    four int8 per unit, vpdpbusd (__AVX512VNNI__): A is packed offset to unsigned by +128 (an
+ *             xor of the sign bit) and 128 * (column sums of B) is subtracted at the end, so int32 is exact.
  * A panel of B is KU unit rows of contiguous columns; A is read one unit at a time, broadcast.
  */
 #ifndef TEGULA_GEMM_AVX512_H
@@ -170,12 +170,21 @@ static inline void tg__pack_pairs(int dt, uint16_t *dst, long ldd, const void *s
 #ifdef __AVX512VNNI__
 #define TG__HAVE_I8_QUADS 1
 
+/* dst[r * ldd + c] = src[r * ld + c] + 128 as uint8 (A's offset), c < cols rounded up to 64 */
+static inline void tg__pack_rows_u8(int8_t *dst, long ldd, const int8_t *src, long ld, int rows, int cols)
+{
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 64)
+            _mm512_storeu_si512(dst + r * ldd + c, _mm512_xor_si512(_mm512_maskz_loadu_epi8(tg__m64(cols - c), src + r * ld + c),
+                                                                    _mm512_set1_epi8((char)0x80)));
+}
+
 /* Quad panel of S[k][x] = src[k * ks + x * xs] (one of ks, xs is 1): the 32-bit word at
- * dst + 4 * (q * ldd + x) holds S[4q..4q+3][x] (zero past K). cs (if not NULL) gets the column sums
- * of S added, for the unsigned-offset correction. */
+ * dst + 4 * (q * ldd + x) holds S[4q..4q+3][x] (zero past K), or with cs == NULL (A's panel) those
+ * bytes + 128 as uint8. cs gets the column sums of S added, for the unsigned-offset correction. */
 static inline void tg__pack_quads(int8_t *dst, long ldd, const int8_t *src, long ks, long xs, int K, int X, int32_t *cs)
 {
-    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i ones = _mm512_set1_epi8(1), off = _mm512_set1_epi8(cs ? 0 : (char)0x80);
     int Q = (K + 3) / 4;
     if (xs == 1) { /* rows of S are contiguous: interleave four rows, 64 columns at a time */
         for (int q = 0; q < Q; q++)
@@ -194,7 +203,7 @@ static inline void tg__pack_quads(int8_t *dst, long ldd, const int8_t *src, long
                 __m512i o[4] = {_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd),
                                 _mm512_shuffle_i32x4(e, f, 0x88), _mm512_shuffle_i32x4(e, f, 0xdd)};
                 for (int l = 0; l < 4 && x + 16 * l < X; l++) {
-                    _mm512_storeu_si512(dst + 4 * (q * ldd + x + 16 * l), o[l]);
+                    _mm512_storeu_si512(dst + 4 * (q * ldd + x + 16 * l), _mm512_xor_si512(o[l], off));
                     if (cs)
                         _mm512_storeu_si512(cs + x + 16 * l,
                                             _mm512_dpbusd_epi32(_mm512_loadu_si512(cs + x + 16 * l), ones, o[l]));
@@ -210,7 +219,7 @@ static inline void tg__pack_quads(int8_t *dst, long ldd, const int8_t *src, long
                                   : _mm512_setzero_si512();
             tg__transpose16(v);
             for (int r = 0; r < 16 && q0 + r < Q; r++) {
-                _mm512_storeu_si512(dst + 4 * ((q0 + r) * ldd + x0), v[r]);
+                _mm512_storeu_si512(dst + 4 * ((q0 + r) * ldd + x0), _mm512_xor_si512(v[r], off));
                 if (cs)
                     _mm512_storeu_si512(cs + x0, _mm512_dpbusd_epi32(_mm512_loadu_si512(cs + x0), ones, v[r]));
             }
@@ -220,15 +229,15 @@ static inline void tg__pack_quads(int8_t *dst, long ldd, const int8_t *src, long
 
 /* ---- the register-blocked kernel ----------------------------------------------------------------- */
 
-/* One unit of row i of A, broadcast: a float, a bf16 pair, or four int8 made unsigned. The last
- * unit may be partial (n < elements per unit): read only n elements, the rest are zero. */
+/* One unit of row i of A, broadcast: a float, a bf16 pair, or four uint8 (A + 128, packed so). A last
+ * bf16 unit may be partial (n = 1 of 2): only that element is read, the other is zero. */
 TG__ALWAYS_INLINE __m512 tg__bcast(int fmt, const char *p, int n)
 {
     if (fmt == TG__F32)
         return _mm512_set1_ps(*(const float *)p);
     uint32_t u = 0;
-    memcpy(&u, p, n ? (size_t)n * (fmt == TG__BF16 ? 2 : 1) : 4);
-    return _mm512_castsi512_ps(_mm512_set1_epi32((int)(fmt == TG__I8 ? u ^ 0x80808080u : u)));
+    memcpy(&u, p, n ? (size_t)n * 2 : 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32((int)u));
 }
 
 TG__ALWAYS_INLINE __m512 tg__dot(int fmt, __m512 c, __m512 a, __m512 b)
