@@ -333,13 +333,50 @@ def merge_kernel(bits, idx_dtype):
     return topk_merge
 
 
-_FACTORIES: dict = {}
+_FACTORIES = {"rows": rows_kernel, "parts": parts_kernel, "merge": merge_kernel}
+_JIT: dict = {}
+_KERNELS: dict = {}
 
 
-def get(kind: str, target: str, *args):
-    """The compiled ``kind`` kernel ("rows", "parts", "merge") for ``target``, cached per argument tuple."""
-    fac = _FACTORIES.get((kind, target))
-    if fac is None:
-        make = {"rows": rows_kernel, "parts": parts_kernel, "merge": merge_kernel}[kind]
-        fac = _FACTORIES[(kind, target)] = tegula.jit(make, target=target)
-    return fac(*args)
+class Launcher:
+    """A compiled kernel and how to start it from the op layer, which has already checked every argument:
+    ``launcher(args, symbols)`` with the parameters in order and the symbolic dims in ``_SYMBOLS[kind]`` order.
+    Pointer targets get the tensors' addresses straight away (no per-call binding); the others (interp) get the
+    tensors viewed as the declared dtypes through the ordinary call."""
+
+    def __init__(self, kernel, symbol_names):
+        from tegula.jit.binding import torch_dtype
+        self.kernel, self.launch = kernel, getattr(kernel.program, "launch", None)
+        self.pointer = kernel.target.args == "pointer"
+        self.dtypes = [torch_dtype(p.dtype.name) if hasattr(p, "shape") else None for p in kernel.func.params]
+        self.tensors = [i for i, d in enumerate(self.dtypes) if d is not None]
+        order = [v.name for v in kernel.symbols]
+        self.perm = None if order == list(symbol_names) else [list(symbol_names).index(s) for s in order]
+
+    def __call__(self, args, symbols):
+        if self.perm is not None:
+            symbols = [symbols[i] for i in self.perm]
+        if self.pointer:
+            args = list(args)
+            for i in self.tensors:
+                args[i] = args[i].data_ptr()
+            self.launch(*args, *symbols)
+        else:
+            self.kernel(*[a.view(d) if d is not None and a.dtype != d else a for a, d in zip(args, self.dtypes)])
+
+
+_SYMBOLS = {"rows": ("batch", "n", "k"), "parts": ("batch", "n", "nseg", "wlen"),
+            "merge": ("batch", "nseg", "wlen", "k")}
+
+
+def get(kind: str, target: str, *args) -> Launcher:
+    """The ``kind`` kernel ("rows", "parts", "merge") for ``target``, compiled by its tegula.jit factory once per
+    argument tuple."""
+    key = (kind, target, *args)
+    k = _KERNELS.get(key)
+    if k is None:
+        fac = _JIT.get((kind, target))
+        if fac is None:
+            fac = _JIT[(kind, target)] = tegula.jit(_FACTORIES[kind], target=target)
+        k = _KERNELS[key] = Launcher(fac(*args), _SYMBOLS[kind])
+    return k

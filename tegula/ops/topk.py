@@ -25,8 +25,6 @@ MAX_TOPK = K.KMAX
 NAN_FLAG = K.NAN_FLAG
 SPLIT_MIN_SEGMENT = 1 << 16   # a row is split over cores only into segments of at least this many elements
 
-_DTYPES = {"torch.bfloat16": (16, 0x7F80), "torch.float16": (16, 0x7C00), "torch.float32": (32, 0x7F800000)}
-_RAW = {16: "int16", 32: "int32"}
 
 
 def get_stride_requirement() -> tuple[int, int]:
@@ -59,23 +57,24 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     """
     import torch
 
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"topk: input must be a torch.Tensor, got {type(input).__name__}")
-    spec = _DTYPES.get(str(input.dtype))
+    spec = _specs(torch).get(input.dtype) if isinstance(input, torch.Tensor) else None
     if spec is None:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"topk: input must be a torch.Tensor, got {type(input).__name__}")
         raise TypeError(f"topk: input must be bfloat16, float16 or float32, got {input.dtype}")
     if input.dim() != 2:
         raise ValueError(f"topk: input must be 2-D (batch, n), got shape {tuple(input.shape)}")
-    if input.device.type != "cpu":
+    if not input.is_cpu:
         raise ValueError(f"topk: input is on {input.device}; tegula's topk runs on the CPU")
-    if not isinstance(topk, int) or isinstance(topk, bool):
+    if type(topk) is not int:
         raise TypeError(f"topk: topk must be an int, got {type(topk).__name__}")
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"topk: topk must be in [1, {MAX_TOPK}], got {topk}")
-    for name, v in (("sorted", sorted), ("sorted_index", sorted_index), ("return_value", return_value),
-                    ("abort_when_nan_found", abort_when_nan_found)):
-        if not isinstance(v, bool):
-            raise TypeError(f"topk: {name} must be a bool, got {type(v).__name__}")
+    if not (type(sorted) is type(sorted_index) is type(return_value) is type(abort_when_nan_found) is bool):
+        for name, v in (("sorted", sorted), ("sorted_index", sorted_index), ("return_value", return_value),
+                        ("abort_when_nan_found", abort_when_nan_found)):
+            if type(v) is not bool:
+                raise TypeError(f"topk: {name} must be a bool, got {type(v).__name__}")
     if sorted and not return_value:
         raise ValueError("topk: sorted=True needs return_value=True")
     if sorted and sorted_index:
@@ -86,33 +85,34 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         raise ValueError("topk: hint is not supported (pass None, as DeepSelect requires)")
     if indices_type is None:
         indices_type = torch.int64
-    if indices_type not in (torch.int32, torch.int64):
+    elif indices_type is not torch.int64 and indices_type is not torch.int32:
         raise TypeError(f"topk: indices_type must be torch.int32 or torch.int64, got {indices_type}")
-    if not isinstance(idx_oob_fill_value, int) or not -2**31 <= idx_oob_fill_value < 2**31:
+    if type(idx_oob_fill_value) is not int or not -2**31 <= idx_oob_fill_value < 2**31:
         raise ValueError(f"topk: idx_oob_fill_value must be an int32, got {idx_oob_fill_value!r}")
     if not isinstance(value_oob_fill_value, (int, float)) or isinstance(value_oob_fill_value, bool):
         raise TypeError(f"topk: value_oob_fill_value must be a float, got {type(value_oob_fill_value).__name__}")
     batch, n = input.shape
     if n >= 2**31 - K.CHUNK:
         raise ValueError(f"topk: rows of {n} elements are too long (at most {2**31 - K.CHUNK - 1})")
-    end = _row_vector(torch, end, "end", batch)
-    off = _row_vector(torch, output_idx_offset, "output_idx_offset", batch)
+    if end is not None:
+        end = _row_vector(torch, end, "end", batch)
+    if output_idx_offset is not None:
+        output_idx_offset = _row_vector(torch, output_idx_offset, "output_idx_offset", batch)
     dest = None
-    if output_idx is not None:
+    if output_idx is None:
+        indices = torch.empty((batch, topk), dtype=indices_type)
+    else:
         if not isinstance(output_idx, torch.Tensor):
             raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
         if output_idx.dtype != indices_type:
             raise TypeError(f"topk: output_idx has dtype {output_idx.dtype}, but indices_type is {indices_type}")
-        if tuple(output_idx.shape) != (batch, topk):
+        if output_idx.shape != (batch, topk):
             raise ValueError(f"topk: output_idx must have shape {(batch, topk)}, got {tuple(output_idx.shape)}")
-        if output_idx.device.type != "cpu":
+        if not output_idx.is_cpu:
             raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
-        if output_idx.is_contiguous():
-            indices = output_idx
-        else:
+        indices = output_idx
+        if not output_idx.is_contiguous():
             dest, indices = output_idx, torch.empty((batch, topk), dtype=indices_type)
-    else:
-        indices = torch.empty((batch, topk), dtype=indices_type)
     values = torch.empty((batch, topk), dtype=input.dtype)
     if batch == 0:
         return (values if return_value else None), (output_idx if output_idx is not None else indices)
@@ -120,19 +120,17 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         input = input.contiguous()
 
     bits, inf_mag = spec
-    raw = getattr(torch, _RAW[bits])
-    tgt = _target(target)
-    idx_name = "int32" if indices_type is torch.int32 else "int64"
+    tgt = target or _default_target()
+    idx_name = "int64" if indices_type is torch.int64 else "int32"
     b2 = min(max(topk, 512), K.B2MAX)
-    x, vraw = input.view(raw), values.view(raw)
-    flags, flags_np = _flags(torch)
-    fill = _fill_bits(torch, input.dtype, raw, float(value_oob_fill_value))
+    flags, status = _flags(torch)
+    fill = _fill_bits(torch, input.dtype, bits, value_oob_fill_value)
     end_t = end if end is not None else _full(torch, batch, n)
-    off_t = off if off is not None else _full(torch, batch, 0)
+    off_t = output_idx_offset if output_idx_offset is not None else _full(torch, batch, 0)
     nseg = _segments(batch, n)
     if nseg == 1:
-        K.get("rows", tgt, bits, idx_name)(x, end_t, off_t, vraw, indices, flags, int(sorted), b2,
-                                           idx_oob_fill_value, fill, inf_mag)
+        K.get("rows", tgt, bits, idx_name)((input, end_t, off_t, values, indices, flags, int(sorted), b2,
+                                            idx_oob_fill_value, fill, inf_mag), (batch, n, topk))
     else:
         seg = -(-n // nseg)
         seg = -(-seg // K.CHUNK) * K.CHUNK
@@ -140,13 +138,13 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         wk = torch.empty((batch, nseg * topk), dtype=torch.int32)
         wi = torch.empty((batch, nseg * topk), dtype=torch.int32)
         wm = torch.empty((batch, nseg), dtype=torch.int32)
-        K.get("parts", tgt, bits)(x, end_t, wk, wi, wm, topk, seg, b2)
-        K.get("merge", tgt, bits, idx_name)(wk, wi, wm, end_t, off_t, vraw, indices, flags, n, int(sorted), b2,
-                                            idx_oob_fill_value, fill, inf_mag)
-    if flags_np[1]:
+        K.get("parts", tgt, bits)((input, end_t, wk, wi, wm, topk, seg, b2), (batch, n, nseg, nseg * topk))
+        K.get("merge", tgt, bits, idx_name)((wk, wi, wm, end_t, off_t, values, indices, flags, n, int(sorted), b2,
+                                             idx_oob_fill_value, fill, inf_mag), (batch, nseg, nseg * topk, topk))
+    if status[1]:
         bad = [i for i, e in enumerate(end.tolist()) if not 0 <= e <= n]
         raise ValueError(f"topk: end[{bad[0]}] = {int(end[bad[0]])} is outside [0, {n}] (n = input.shape[1])")
-    if flags_np[0] and abort_when_nan_found:
+    if status[0] and abort_when_nan_found:
         rows = (indices[:, 0] == NAN_FLAG).nonzero().flatten().tolist()
         raise ValueError(f"topk: input row {rows[0] if rows else '?'} holds NaN (abort_when_nan_found=True; pass "
                          "False to get the row flagged with indices[row, 0] = 0x3F3F3F3F instead)")
@@ -173,27 +171,28 @@ def _row_vector(torch, t, name, batch):
 
 
 _CACHE: dict = {}
+_FULL: dict = {}
 _LOCAL = threading.local()
 
 
 def _full(torch, batch, value):
     """A cached (batch,) int32 tensor of ``value`` (the default end / offset); kernels only read it."""
-    key = ("full", batch, value)
-    t = _CACHE.get(key)
+    key = (batch, value)
+    t = _FULL.get(key)
     if t is None:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        t = _CACHE[key] = torch.full((batch,), value, dtype=torch.int32)
+        if len(_FULL) > 64:
+            _FULL.clear()
+        t = _FULL[key] = torch.full((batch,), value, dtype=torch.int32)
     return t
 
 
-def _fill_bits(torch, dtype, raw, value):
+def _fill_bits(torch, dtype, bits, value):
     """value_oob_fill_value rounded to the input dtype, as the signed integer of its bits."""
     key = ("fill", dtype, value)
-    bits = _CACHE.get(key)
-    if bits is None:
-        bits = _CACHE[key] = int(torch.tensor([value], dtype=dtype).view(raw)[0])
-    return bits
+    raw = _CACHE.get(key)
+    if raw is None:
+        raw = _CACHE[key] = int(torch.tensor([float(value)], dtype=dtype).view(getattr(torch, f"int{bits}"))[0])
+    return raw
 
 
 def _flags(torch):
@@ -206,9 +205,16 @@ def _flags(torch):
     return f
 
 
-def _target(target):
-    if target is not None:
-        return target
+def _specs(torch):
+    """{input dtype: (key width in bits, bit pattern of +inf)}."""
+    s = _CACHE.get("specs")
+    if s is None:
+        s = _CACHE["specs"] = {torch.bfloat16: (16, 0x7F80), torch.float16: (16, 0x7C00),
+                               torch.float32: (32, 0x7F800000)}
+    return s
+
+
+def _default_target():
     t = _CACHE.get("target")
     if t is None:
         from tegula.jit.targets import resolve
