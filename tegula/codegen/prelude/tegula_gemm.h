@@ -16,7 +16,7 @@
  *   AVX-512 F/BW/VL   8 x 32 register blocks of zmm (tegula_gemm_avx512.h); bf16 and fp8 in bf16
  *                     pairs with vdpbf16ps where __AVX512BF16__, int8 in quads with vpdpbusd where
  *                     __AVX512VNNI__, everything else converted to fp32 panels;
- *   AVX2 + FMA        4 x 16 blocks of ymm, fp32 panels;
+ *   AVX2 + FMA        6 x 16 blocks of ymm, fp32 panels;
  *   anything else     portable C (NEON, SSE, scalar: gcc/clang vectorise the column loops), 4 x 16.
  * The work is GotoBLAS-like, sized for tiles already in L1/L2: B in panels of at most KC x 128,
  * A in panels of at most 64 x KC, a kernel per register block over one panel pair. fp32 operands
@@ -85,11 +85,12 @@ static inline void tg__pack_f32(int dt, float *restrict dst, long ldd, const voi
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define TG_GEMM_MR 4
+#define TG_GEMM_MR 6
 #define TG_GEMM_NR 16
 #define TG_GEMM_VL 8
 
-/* fp32 kernel, the AVX-512 one's contract with fmt TG__F32: 8 ymm accumulators, B zero-padded */
+/* fp32 kernel, the AVX-512 one's contract with fmt TG__F32: 12 ymm accumulators (two FMA pipes of
+ * 4-cycle latency need 8 chains or more), B zero-padded */
 TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
                                   const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,
                                   const int32_t *cs)
