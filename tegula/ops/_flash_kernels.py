@@ -1,0 +1,128 @@
+"""The T.* kernel behind ``tegula.ops.attention.flash_attn_varlen_func``: flash attention forward over packed
+variable-length sequences with grouped-query heads.
+
+One block per (query tile of BM rows, query head, sequence): it reads the sequence's bounds from the cumulative
+lengths, walks the key tiles of BN keys the tile may see (with ``causal``, aligned to the bottom-right: query i of a
+sequence with lq queries and lk keys sees keys j <= i + lk - lq), and keeps the online softmax of
+examples/flash_attention.py. Tiles wholly inside the sequence and below the diagonal skip the mask; the others
+mask by select and zero the value rows past the sequence (those rows belong to the next sequence).
+"""
+from __future__ import annotations
+
+import math
+
+import tegula
+import tegula.language as T
+
+LOG2E = math.log2(math.e)
+
+
+def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64):
+    """Q (total_q, h_q, d), K (total_k, h_kv, d), V (total_k, h_kv, dv), CuQ / CuK (batch + 1,) int32 -> Out
+    (total_q, h_q, dv) in ``dtype``, Lse (h_q, total_q) float32 (natural log; +inf for a row without keys).
+    Grid (m_tiles, h_q, batch); ``m_tiles`` = ceil(max_seqlen_q / block_m), ``scale`` the softmax scale."""
+    BM, BN = block_m, block_n
+    hpk = h_q // h_kv
+    total_q, total_k, nb1 = T.dynamic("total_q"), T.dynamic("total_k"), T.dynamic("nb1")
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def load_kv(K, V, K_s, V_s, k0, n0, lk, kvh, full):
+        if full:
+            T.copy(K[k0 + n0:k0 + n0 + BN, kvh, :], K_s)
+            T.copy(V[k0 + n0:k0 + n0 + BN, kvh, :], V_s)
+        else:  # rows past the sequence are another sequence's (or outside k / v): zero them
+            for i, j in T.Parallel(BN, d):
+                K_s[i, j] = T.if_then_else(n0 + i < lk, K[k0 + n0 + i, kvh, j], T.cast(0, dtype))
+            for i, j in T.Parallel(BN, dv):
+                V_s[i, j] = T.if_then_else(n0 + i < lk, V[k0 + n0 + i, kvh, j], T.cast(0, dtype))
+
+    @T.prim_func
+    def main(Q: T.Tensor((total_q, h_q, d), dtype), K: T.Tensor((total_k, h_kv, d), dtype),
+             V: T.Tensor((total_k, h_kv, dv), dtype), CuQ: T.Tensor((nb1,), "int32"), CuK: T.Tensor((nb1,), "int32"),
+             Out: T.Tensor((total_q, h_q, dv), dtype), Lse: T.Tensor((h_q, total_q), "float32"),
+             m_tiles: T.int32, scale: T.float32):
+        with T.Kernel(m_tiles, h_q, nb1 - 1, threads=128) as (bx, by, bz):
+            K_s = T.alloc_shared((BN, d), dtype)
+            V_s = T.alloc_shared((BN, dv), dtype)
+            acc = T.alloc_fragment((BM, dv), "float32")
+            m = T.alloc_fragment((BM,), "float32")
+            m_cur = T.alloc_fragment((BM,), "float32")
+            ms = T.alloc_fragment((BM,), "float32")
+            alpha = T.alloc_fragment((BM,), "float32")
+            l_sum = T.alloc_fragment((BM,), "float32")
+            p_sum = T.alloc_fragment((BM,), "float32")
+            grew = T.alloc_fragment((BM,), "float32")
+            any_grew = T.alloc_fragment((1,), "float32")
+            Q_s = T.alloc_shared((BM, d), dtype)
+            S = T.alloc_fragment((BM, BN), "float32")
+            P_s = T.alloc_shared((BM, BN), dtype)
+
+            q0 = CuQ[bz]
+            lq = CuQ[bz + 1] - q0
+            k0 = CuK[bz]
+            lk = CuK[bz + 1] - k0
+            m0 = bx * BM
+            kvh = by // hpk
+            sl2 = scale * LOG2E
+            if m0 < lq:
+                for i, j in T.Parallel(BM, d):
+                    Q_s[i, j] = T.if_then_else(m0 + i < lq, Q[q0 + m0 + i, by, j], T.cast(0, dtype))
+                T.fill(acc, 0)
+                T.fill(l_sum, 0)
+                T.fill(m, neg_inf)
+                shift = lk - lq                 # causal: query row i sees keys j <= i + shift
+                n_end = T.min(lk, m0 + BM + shift) if causal else lk
+                n_full = (T.min(lk, m0 + shift + 1) if causal else lk) // BN   # tiles that need no mask
+                for k in T.serial(T.ceildiv(T.max(n_end, 0), BN)):
+                    n0 = k * BN
+                    if k < n_full:
+                        load_kv(K, V, K_s, V_s, k0, n0, lk, kvh, True)
+                        T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True)
+                    else:
+                        load_kv(K, V, K_s, V_s, k0, n0, lk, kvh, False)
+                        T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BM, BN):
+                            ok = n0 + j < lk and (m0 + i + shift >= n0 + j if causal else True)
+                            S[i, j] = T.if_then_else(ok, S[i, j], neg_inf)
+                    T.reduce_max(S, m_cur, dim=1)
+                    for i in T.Parallel(BM):
+                        m_new = T.max(m[i], m_cur[i])
+                        ms[i] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
+                        alpha[i] = T.exp2(m[i] * sl2 - ms[i])
+                        grew[i] = T.if_then_else(m_new > m[i], 1.0, 0.0)
+                        m[i] = m_new
+                    for i, j in T.Parallel(BM, BN):
+                        S[i, j] = T.exp2(S[i, j] * sl2 - ms[i])
+                    T.reduce_sum(S, p_sum, dim=1)
+                    for i in T.Parallel(BM):
+                        l_sum[i] = l_sum[i] * alpha[i] + p_sum[i]
+                    T.reduce_max(grew, any_grew, dim=0)
+                    if any_grew[0] > 0.0:   # the output rescales only when some row's maximum grew
+                        for i, j in T.Parallel(BM, dv):
+                            acc[i, j] *= alpha[i]
+                    if dtype == "float32":
+                        T.gemm(S, V_s, acc)
+                    else:
+                        T.copy(S, P_s)
+                        T.gemm(P_s, V_s, acc)
+                for i, j in T.Parallel(BM, dv):
+                    if m0 + i < lq:
+                        Out[q0 + m0 + i, by, j] = acc[i, j] * T.if_then_else(l_sum[i] == 0.0, 0.0, 1.0 / l_sum[i])
+                for i in T.Parallel(BM):
+                    if m0 + i < lq:
+                        Lse[by, q0 + m0 + i] = T.if_then_else(l_sum[i] == 0.0, T.infinity("float32"),
+                                                              m[i] * scale + T.log(l_sum[i]))
+
+    return main
+
+
+_FACTORIES: dict = {}
+
+
+def get(target: str, *args):
+    """The compiled varlen kernel for ``target``, cached per argument tuple (tegula.jit)."""
+    fac = _FACTORIES.get(target)
+    if fac is None:
+        fac = _FACTORIES[target] = tegula.jit(flash_varlen, target=target)
+    return fac(*args)

@@ -1,0 +1,307 @@
+"""The T.* kernels behind ``tegula.ops.attention``'s MLA ops: split-KV decode over a paged (or sparse) KV cache,
+the combine of split partial results, and the FP8 KV-cache quantiser and dequantiser.
+
+``mla_decode`` serves dense paged decode, sparse decode and sparse prefill with one body. Its unit of work is a
+*group* of query rows that attend to one set of keys: in dense decode a (batch, kv head) pair, whose rows are
+the s_q * (h_q / h_kv) query heads of all its query tokens; in sparse decode a (batch, query token) pair; in
+sparse prefill a query token. A block takes one schedule item (group, first key, end key, slot) and walks its
+keys in tiles of ``BN``: each tile gathers its key rows from the cache (through the block table, or the
+``indices``), zeroing rows that are past the end or invalid, computes S = Q K^T with T.gemm, masks, keeps an
+online softmax (base-2 exponentials, the scale folded in), and accumulates P V, where V is the first ``dv``
+columns of the same key tile (MLA: V is part of K). An item that covers its group alone writes the final output
+and lse; an item that covers part of a long group writes a partial (output normalised by its own sum, and its
+natural-log lse) into a workspace slot, and ``mla_combine`` merges the slots of each group.
+
+The FP8 cache (``fp8``) stores 656 bytes per token: 512 float8_e4m3fn values, 4 float32 scales (one per 128
+values) and 64 bfloat16 RoPE values. The kernel receives the same memory as three flat views (fp8, float32,
+bfloat16) and dequantises each key row to bfloat16 (exact: the scales are powers of two) while gathering it.
+"""
+from __future__ import annotations
+
+import math
+
+import tegula
+import tegula.language as T
+
+LOG2E = math.log2(math.e)
+FP8_NOPE, FP8_TILE, FP8_ROPE = 512, 128, 64
+FP8_BYTES = FP8_NOPE + 4 * (FP8_NOPE // FP8_TILE) + 2 * FP8_ROPE   # 656 bytes per token
+
+
+def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, has_sink, with_max, block_n=64):
+    """Split-KV MLA attention over one schedule item per block; see the module docstring.
+
+    Compile-time: ``rb`` rows per block (``nrb`` row blocks cover the group's sq * hpk rows), ``sq`` query tokens
+    per group and ``hpk`` query heads per kv head, ``h_kv`` kv heads, ``d`` / ``dv`` head dims, ``ps`` tokens per
+    page, ``sparse`` (keys named by Tab[group, t] instead of pages Tab[batch, t // ps]), ``causal`` (bottom-right),
+    ``fp8`` cache, ``dtype`` of q / the key tile, ``has_sink``, ``with_max`` (write the row maxima: prefill).
+    Runtime: Q (groups, sq, h_kv, hpk, d); the cache as flat views KVa (+ KVs, KVr for fp8); Tab (rows, cols) int32;
+    Lens (groups,) valid keys per group; Sched (items, 4) int32 = (group, start, end, slot); Sink (h_q or 1,);
+    outputs Out (groups, sq, h_kv, hpk, dv), Lse (groups, h_kv, hpk, sq), MaxL (groups or 0, h_kv, hpk, sq),
+    workspace Opart (slots, h_kv, rows, dv) / Lpart (slots, h_kv, rows); scalars: sb (cache elements per page),
+    rs (per token), hs (per kv head), n_tok (keys addressable: sparse indices outside [0, n_tok) are invalid),
+    scale (softmax scale).
+    """
+    rows = sq * hpk
+    BN = block_n
+    kv_dtype = "float8_e4m3fn" if fp8 else dtype
+    groups, n_items, n_slots = T.dynamic("groups"), T.dynamic("n_items"), T.dynamic("n_slots")
+    na, ns, nr = T.dynamic("na"), T.dynamic("ns"), T.dynamic("nr")
+    tab_rows, tab_cols, n_sink, n_max = T.dynamic("tab_rows"), T.dynamic("tab_cols"), T.dynamic("n_sink"), \
+        T.dynamic("n_max")
+    neg_inf = -T.infinity("float32")
+
+    @T.macro
+    def gather_keys(KVa, KVs, KVr, off, valid, K_s):
+        # One key row per tile row; a row that is not valid is zero (the cache may hold NaN there).
+        for i in T.serial(BN):
+            if valid[i] != 0:
+                if fp8:
+                    for c in range(FP8_NOPE // FP8_TILE):
+                        sc = KVs[off[i] // 4 + FP8_NOPE // 4 + c]
+                        for j in T.Parallel(FP8_TILE):
+                            K_s[i, c * FP8_TILE + j] = T.cast(T.cast(KVa[off[i] + c * FP8_TILE + j], "float32") * sc,
+                                                              dtype)
+                    for j in T.Parallel(FP8_ROPE):
+                        K_s[i, FP8_NOPE + j] = KVr[off[i] // 2 + (FP8_NOPE + 4 * FP8_NOPE // FP8_TILE) // 2 + j]
+                else:
+                    for j in T.Parallel(d):
+                        K_s[i, j] = KVa[off[i] + j]
+            else:
+                for j in T.Parallel(d):
+                    K_s[i, j] = T.cast(0, dtype)
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor((groups, sq, h_kv, hpk, d), dtype),
+        KVa: T.Tensor((na,), kv_dtype),
+        KVs: T.Tensor((ns,), "float32"),
+        KVr: T.Tensor((nr,), "bfloat16"),
+        Tab: T.Tensor((tab_rows, tab_cols), "int32"),
+        Lens: T.Tensor((groups,), "int32"),
+        Sched: T.Tensor((n_items, 4), "int32"),
+        Sink: T.Tensor((n_sink,), "float32"),
+        Out: T.Tensor((groups, sq, h_kv, hpk, dv), dtype),
+        Lse: T.Tensor((groups, h_kv, hpk, sq), "float32"),
+        MaxL: T.Tensor((n_max, h_kv, hpk, sq), "float32"),
+        Opart: T.Tensor((n_slots, h_kv, rows, dv), "float32"),
+        Lpart: T.Tensor((n_slots, h_kv, rows), "float32"),
+        sb: T.int64,
+        rs: T.int32,
+        hs: T.int32,
+        n_tok: T.int32,
+        scale: T.float32,
+    ):
+        with T.Kernel(n_items, h_kv, nrb, threads=128) as (it, hk, rbk):
+            Q_s = T.alloc_shared((rb, d), dtype)
+            K_s = T.alloc_shared((BN, d), dtype)
+            S = T.alloc_fragment((rb, BN), "float32")
+            P_s = T.alloc_shared((rb, BN), dtype)
+            acc = T.alloc_fragment((rb, dv), "float32")
+            m = T.alloc_fragment((rb,), "float32")
+            m_cur = T.alloc_fragment((rb,), "float32")
+            ms = T.alloc_fragment((rb,), "float32")
+            alpha = T.alloc_fragment((rb,), "float32")
+            l_sum = T.alloc_fragment((rb,), "float32")
+            p_sum = T.alloc_fragment((rb,), "float32")
+            off = T.alloc_fragment((BN,), "int64")
+            valid = T.alloc_fragment((BN,), "int32")
+            lim = T.alloc_fragment((rb,), "int32")  # causal: the last key each row may see (bottom-right aligned)
+
+            g = Sched[it, 0]
+            start = Sched[it, 1]
+            end = T.min(Sched[it, 2], Lens[g])
+            slot = Sched[it, 3]
+            r0 = rbk * rb
+            sl2 = scale * LOG2E
+
+            for r, j in T.Parallel(rb, d):
+                Q_s[r, j] = Q[g, (r0 + r) // hpk, hk, (r0 + r) % hpk, j]
+            if causal:
+                for r in T.Parallel(rb):
+                    lim[r] = Lens[g] - sq + (r0 + r) // hpk
+            T.fill(acc, 0)
+            T.fill(l_sum, 0)
+            T.fill(m, neg_inf)
+
+            for k in T.serial(T.ceildiv(end - start, BN)):
+                t0 = start + k * BN
+                for i in T.Parallel(BN):
+                    t = T.min(t0 + i, end - 1)   # rows past the end read the last key (a safe address), then zero
+                    if sparse:
+                        idx = Tab[g, t]
+                        ok = (t0 + i < end) and idx >= 0 and idx < n_tok
+                        tok = T.if_then_else(ok, idx, 0)
+                        valid[i] = T.if_then_else(ok, 1, 0)
+                        off[i] = T.cast(tok // ps, "int64") * sb + T.cast(tok % ps, "int64") * rs + hk * hs
+                    else:
+                        valid[i] = T.if_then_else(t0 + i < end, 1, 0)
+                        off[i] = (T.cast(Tab[g, t // ps], "int64") * sb + T.cast(t % ps, "int64") * rs + hk * hs)
+                gather_keys(KVa, KVs, KVr, off, valid, K_s)
+                T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True)
+                if causal:
+                    for r, i in T.Parallel(rb, BN):
+                        S[r, i] = T.if_then_else(valid[i] != 0 and t0 + i <= lim[r], S[r, i], neg_inf)
+                else:
+                    for r, i in T.Parallel(rb, BN):
+                        S[r, i] = T.if_then_else(valid[i] != 0, S[r, i], neg_inf)
+                T.reduce_max(S, m_cur, dim=1)
+                for r in T.Parallel(rb):
+                    m_new = T.max(m[r], m_cur[r])
+                    ms[r] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
+                    alpha[r] = T.exp2(m[r] * sl2 - ms[r])
+                    m[r] = m_new
+                for r, i in T.Parallel(rb, BN):
+                    S[r, i] = T.exp2(S[r, i] * sl2 - ms[r])
+                T.reduce_sum(S, p_sum, dim=1)
+                for r in T.Parallel(rb):
+                    l_sum[r] = l_sum[r] * alpha[r] + p_sum[r]
+                T.copy(S, P_s)
+                for r, j in T.Parallel(rb, dv):
+                    acc[r, j] *= alpha[r]
+                T.gemm(P_s, K_s[:, 0:dv], acc)
+
+            if slot < 0:
+                for r, j in T.Parallel(rb, dv):
+                    w = 1.0 / l_sum[r]
+                    if has_sink:
+                        w = w / (1.0 + T.exp(Sink[hk * hpk + (r0 + r) % hpk] - (m[r] * scale + T.log(l_sum[r]))))
+                    w = T.if_then_else(l_sum[r] == 0.0, 0.0, w)   # a row without keys: 0 (even with a sink)
+                    Out[g, (r0 + r) // hpk, hk, (r0 + r) % hpk, j] = acc[r, j] * w
+                for r in T.Parallel(rb):
+                    Lse[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = T.if_then_else(
+                        l_sum[r] == 0.0, T.infinity("float32"), m[r] * scale + T.log(l_sum[r]))
+                    if with_max:
+                        MaxL[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = m[r] * scale
+            else:
+                for r, j in T.Parallel(rb, dv):
+                    Opart[slot, hk, r0 + r, j] = acc[r, j] * T.if_then_else(l_sum[r] == 0.0, 0.0, 1.0 / l_sum[r])
+                for r in T.Parallel(rb):
+                    Lpart[slot, hk, r0 + r] = T.if_then_else(l_sum[r] == 0.0, neg_inf, m[r] * scale + T.log(l_sum[r]))
+
+    return main
+
+
+def mla_combine(sq, hpk, h_kv, dv, dtype, has_sink, chunk=16):
+    """Merge the split partials of each group: lse = log(sum_i exp(lse_i)), out = sum_i exp(lse_i - lse) out_i,
+    then the sink factor; a group without partial slots (NS[g + 1] == NS[g]) was written by ``mla_decode``."""
+    rows = sq * hpk
+    groups, n_slots, n_sink, n_ns = T.dynamic("groups"), T.dynamic("n_slots"), T.dynamic("n_sink"), T.dynamic("n_ns")
+    nch = T.ceildiv(rows, chunk)
+    neg_inf = -T.infinity("float32")
+
+    @T.prim_func
+    def main(
+        Opart: T.Tensor((n_slots, h_kv, rows, dv), "float32"),
+        Lpart: T.Tensor((n_slots, h_kv, rows), "float32"),
+        NS: T.Tensor((n_ns,), "int32"),   # groups + 1 entries
+        Sink: T.Tensor((n_sink,), "float32"),
+        Out: T.Tensor((groups, sq, h_kv, hpk, dv), dtype),
+        Lse: T.Tensor((groups, h_kv, hpk, sq), "float32"),
+    ):
+        with T.Kernel(groups, h_kv, nch, threads=128) as (g, hk, c):
+            acc = T.alloc_fragment((chunk, dv), "float32")
+            mx = T.alloc_fragment((chunk,), "float32")
+            tot = T.alloc_fragment((chunk,), "float32")
+            lse = T.alloc_fragment((chunk,), "float32")
+            s0 = NS[g]
+            n = NS[g + 1] - s0
+            if n > 0:
+                r0 = c * chunk
+                T.fill(mx, neg_inf)
+                T.fill(tot, 0)
+                T.fill(acc, 0)
+                for s in T.serial(n):
+                    for r in T.Parallel(chunk):
+                        mx[r] = T.max(mx[r], Lpart[s0 + s, hk, T.min(r0 + r, rows - 1)])
+                for s in T.serial(n):
+                    for r in T.Parallel(chunk):
+                        tot[r] += T.exp(Lpart[s0 + s, hk, T.min(r0 + r, rows - 1)]
+                                        - T.if_then_else(mx[r] == neg_inf, 0.0, mx[r]))
+                for r in T.Parallel(chunk):
+                    lse[r] = T.if_then_else(tot[r] == 0.0, neg_inf, mx[r] + T.log(tot[r]))
+                for s in T.serial(n):
+                    for r, j in T.Parallel(chunk, dv):
+                        acc[r, j] += T.if_then_else(
+                            lse[r] == neg_inf, 0.0,
+                            T.exp(Lpart[s0 + s, hk, T.min(r0 + r, rows - 1)] - lse[r])
+                            * Opart[s0 + s, hk, T.min(r0 + r, rows - 1), j])
+                for r, j in T.Parallel(chunk, dv):
+                    if r0 + r < rows:
+                        w = 1.0
+                        if has_sink:
+                            w = T.if_then_else(lse[r] == neg_inf, 0.0,
+                                               1.0 / (1.0 + T.exp(Sink[hk * hpk + (r0 + r) % hpk] - lse[r])))
+                        Out[g, (r0 + r) // hpk, hk, (r0 + r) % hpk, j] = acc[r, j] * w
+                for r in T.Parallel(chunk):
+                    if r0 + r < rows:
+                        Lse[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = T.if_then_else(
+                            lse[r] == neg_inf, T.infinity("float32"), lse[r])
+
+    return main
+
+
+def kv_quant_fp8(block_tokens):
+    """bf16 MLA cache rows (tokens, 576) -> FP8 rows (tokens, 656 bytes as uint8): for each 128-value tile the
+    scale is 2^ceil(log2(max(amax / 448, 1e-4))) (a power of two, computed from the bits), values / scale round to
+    float8_e4m3fn; the 64 RoPE values are copied as bf16."""
+    n = T.dynamic("n")
+    BT = block_tokens
+
+    @T.prim_func
+    def main(X: T.Tensor((n, 576), "bfloat16"), Q8: T.Tensor((n, FP8_NOPE), "float8_e4m3fn"),
+             Sc: T.Tensor((n, 4), "float32"), R: T.Tensor((n, FP8_ROPE), "bfloat16")):
+        with T.Kernel(T.ceildiv(n, BT), threads=128) as bx:
+            x = T.alloc_fragment((BT, FP8_NOPE), "float32")
+            amax = T.alloc_fragment((BT, 4), "float32")
+            inv = T.alloc_fragment((BT, 4), "float32")
+            T.copy(X[bx * BT, 0], x)
+            for i, c in T.Parallel(BT, 4):
+                amax[i, c] = 0.0
+            for c in range(4):
+                T.reduce_absmax(x[:, c * FP8_TILE:(c + 1) * FP8_TILE], amax[:, c], dim=1)
+            for i, c in T.Parallel(BT, 4):
+                v = T.max(amax[i, c] / 448.0, T.float32(1e-4))
+                bits = T.reinterpret(v, "int32")
+                e = (bits >> 23) + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+                inv[i, c] = T.reinterpret(e << 23, "float32")
+            for i, j in T.Parallel(BT, FP8_NOPE):
+                x[i, j] = x[i, j] / inv[i, j // FP8_TILE]
+            T.copy(x, Q8[bx * BT, 0])
+            T.copy(inv, Sc[bx * BT, 0])
+            T.copy(X[bx * BT:(bx + 1) * BT, FP8_NOPE:576], R[bx * BT:(bx + 1) * BT, :])
+
+    return main
+
+
+def kv_dequant_fp8(block_tokens):
+    """The inverse of ``kv_quant_fp8``: value * scale in float32, rounded to bfloat16 (exact for the
+    quantiser's power-of-two scales)."""
+    n = T.dynamic("n")
+    BT = block_tokens
+
+    @T.prim_func
+    def main(Q8: T.Tensor((n, FP8_NOPE), "float8_e4m3fn"), Sc: T.Tensor((n, 4), "float32"),
+             R: T.Tensor((n, FP8_ROPE), "bfloat16"), X: T.Tensor((n, 576), "bfloat16")):
+        with T.Kernel(T.ceildiv(n, BT), threads=128) as bx:
+            for i, j in T.Parallel(BT, FP8_NOPE):
+                if bx * BT + i < n:
+                    X[bx * BT + i, j] = T.cast(T.cast(Q8[bx * BT + i, j], "float32") * Sc[bx * BT + i, j // FP8_TILE],
+                                               "bfloat16")
+            T.copy(R[bx * BT:(bx + 1) * BT, :], X[bx * BT:(bx + 1) * BT, FP8_NOPE:576])
+
+    return main
+
+
+_FACTORIES: dict = {}
+_MAKERS = {"decode": (mla_decode, None), "combine": (mla_combine, None), "quant": (kv_quant_fp8, None),
+           "dequant": (kv_dequant_fp8, None)}
+
+
+def get(kind: str, target: str, *args):
+    """The compiled ``kind`` kernel for ``target``, cached per argument tuple (tegula.jit)."""
+    fac = _FACTORIES.get((kind, target))
+    if fac is None:
+        make, out_idx = _MAKERS[kind]
+        fac = _FACTORIES[(kind, target)] = tegula.jit(make, out_idx=out_idx, target=target)
+    return fac(*args)
