@@ -249,31 +249,40 @@ TG__ALWAYS_INLINE int tg__fmt(int dt)
 }
 
 /* Register blocks over an mc x nc panel pair: row blocks of MR, then 4, 2, 1 for the remainder, each
- * with a constant row count so that its accumulators live in registers. */
+ * with a constant row count so that its accumulators live in registers; whole column blocks, then a
+ * masked one. Remainders are computed up front, so that with constant tile sizes the unused cases fold. */
 TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, const char *A, long ars, long aus,
                                   const char *B, long bus, char *C, long ldc, int first, int c_i32,
                                   const int32_t *cs, tg__pf *pf)
 {
+    const int nr = nc % TG_GEMM_NR, nfull = nc - nr;
 #define TG__K(R, NR) tg__kernel(fmt, R, units, tail, A + i * ars, ars, aus, B + 4 * j, bus, NR, \
                                 C + 4 * (i * ldc + j), ldc, first, c_i32, cs + j)
-#define TG__ROWS(R)                                                                       \
-    for (; mc - i >= (R); i += (R))                                                       \
-        for (int j = 0; j < nc; j += TG_GEMM_NR) {                                        \
-            if (nc - j >= TG_GEMM_NR)                                                     \
-                TG__K(R, TG_GEMM_NR);                                                     \
-            else                                                                          \
-                TG__K(R, nc - j);                                                         \
+#define TG__ROW(R)                                                                        \
+    {                                                                                     \
+        int j = 0;                                                                        \
+        for (; j < nfull; j += TG_GEMM_NR) {                                              \
+            TG__K(R, TG_GEMM_NR);                                                         \
             if (pf)                                                                       \
                 tg__pf_step(pf);                                                          \
-        }
-    int i = 0;
-    TG__ROWS(TG_GEMM_MR)
-#if TG_GEMM_MR > 4
-    TG__ROWS(4)
-#endif
-    TG__ROWS(2)
-    TG__ROWS(1)
-#undef TG__ROWS
+        }                                                                                 \
+        if (nr)                                                                           \
+            TG__K(R, nr);                                                                 \
+    }
+    int r = mc % TG_GEMM_MR, i = 0;
+    for (; i < mc - r; i += TG_GEMM_MR)
+        TG__ROW(TG_GEMM_MR)
+    if (TG_GEMM_MR > 4 && r >= 4) {
+        TG__ROW(4)
+        i += 4, r -= 4;
+    }
+    if (r >= 2) {
+        TG__ROW(2)
+        i += 2, r -= 2;
+    }
+    if (r)
+        TG__ROW(1)
+#undef TG__ROW
 #undef TG__K
 }
 
