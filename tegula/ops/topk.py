@@ -141,17 +141,24 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         K.get("parts", tgt, bits)((input, end_t, wk, wi, wm, topk, seg, b2), (batch, n, nseg, nseg * topk))
         K.get("merge", tgt, bits, idx_name)((wk, wi, wm, end_t, off_t, values, indices, flags, n, int(sorted), b2,
                                              idx_oob_fill_value, fill, inf_mag), (batch, nseg, nseg * topk, topk))
-    if status[1]:
-        bad = [i for i, e in enumerate(end.tolist()) if not 0 <= e <= n]
-        raise ValueError(f"topk: end[{bad[0]}] = {int(end[bad[0]])} is outside [0, {n}] (n = input.shape[1])")
-    if status[0] and abort_when_nan_found:
-        rows = (indices[:, 0] == NAN_FLAG).nonzero().flatten().tolist()
-        raise ValueError(f"topk: input row {rows[0] if rows else '?'} holds NaN (abort_when_nan_found=True; pass "
-                         "False to get the row flagged with indices[row, 0] = 0x3F3F3F3F instead)")
+    if status[0] or status[1]:
+        _check_status(status, indices, end, n, abort_when_nan_found)
     if dest is not None:
         dest.copy_(indices)
         indices = dest
     return (values if return_value else None), indices
+
+
+def _check_status(status, indices, end, n, abort_when_nan_found):
+    nan, bad_end = bool(status[0]), bool(status[1])
+    status[:] = 0
+    if bad_end:
+        bad = [i for i, e in enumerate(end.tolist()) if not 0 <= e <= n]
+        raise ValueError(f"topk: end[{bad[0]}] = {int(end[bad[0]])} is outside [0, {n}] (n = input.shape[1])")
+    if nan and abort_when_nan_found:
+        rows = (indices[:, 0] == NAN_FLAG).nonzero().flatten().tolist()
+        raise ValueError(f"topk: input row {rows[0] if rows else '?'} holds NaN (abort_when_nan_found=True; pass "
+                         "False to get the row flagged with indices[row, 0] = 0x3F3F3F3F instead)")
 
 
 # helpers ---------------------------------------------------------------------------------------------
@@ -196,12 +203,12 @@ def _fill_bits(torch, dtype, bits, value):
 
 
 def _flags(torch):
-    """This thread's (2,) int32 status words, zeroed: [a NaN row was seen, an end was out of range]."""
+    """This thread's (2,) int32 status words [a NaN row was seen, an end was out of range] and their numpy view.
+    Kernels only ever set them; they are zero on entry because the call that sees one set clears it."""
     f = getattr(_LOCAL, "flags", None)
     if f is None:
         t = torch.zeros(2, dtype=torch.int32)
         f = _LOCAL.flags = (t, t.numpy())
-    f[1][:] = 0
     return f
 
 
