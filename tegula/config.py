@@ -32,6 +32,8 @@ class Config:
                            # the device's, else sm_90a)
     opencl_device: str | None  # TEGULA_OPENCL_DEVICE: the opencl target's device, an index into `tegula info`'s
                                # list or part of its name (default: the first GPU, else the first device)
+    opencl_flags: str   # TEGULA_OPENCL_FLAGS: extra OpenCL build options (-cl-opt-disable builds PoCL kernels ~20x
+                        # faster, runs them slower: the test suite's choice)
 
 
 def get() -> Config:
@@ -47,4 +49,5 @@ def get() -> Config:
         disk_cache=env.get("TEGULA_DISK_CACHE", "1") != "0",
         cuda_arch=env.get("TEGULA_CUDA_ARCH") or None,
         opencl_device=env.get("TEGULA_OPENCL_DEVICE") or None,
+        opencl_flags=env.get("TEGULA_OPENCL_FLAGS", ""),
     )

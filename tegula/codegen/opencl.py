@@ -20,6 +20,7 @@ class OpenCLEmitter(SimtEmitter):
     thread_index = "get_local_id(0)"
     atomic_suffix = {"global": "", "shared": "_local"}
     storage = {"bool": "uchar"}
+    spaces = {"global": "__global ", "shared": "__local "}
 
     def launch_bounds(self, k) -> str:
         return f"__attribute__((reqd_work_group_size({k.nthreads}, 1, 1))) "

@@ -62,6 +62,7 @@ class SimtEmitter(CFamilyEmitter):
     unroll_pragma = None
     atomic_suffix = {"global": "", "shared": ""}
     storage = {}                  # overrides of cfamily.STORAGE for parameters and buffers
+    spaces = {}                   # address-space words of pointers into a buffer, by scope
     prelude = "tegula_simt.h"
 
     def __init__(self, func: S.PrimFunc):
@@ -81,8 +82,9 @@ class SimtEmitter(CFamilyEmitter):
         if e.name == "fma":
             a, b, c = (self.ex(x) for x in e.args)
             return f"fmaf({a}, {b}, {c})" if e.dtype.bits == 32 else f"fma({a}, {b}, {c})"
-        if e.name == "popcount":
-            return f"(({reg_type(e.dtype)})tg_popcount64((uint64_t){self.ex(e.args[0])}))"
+        if e.name == "popcount":  # in the argument's own width, as cfamily's; the builtin is the prelude's
+            w = e.args[0].dtype.bits
+            return f"(({reg_type(e.dtype)})tg_popcount64((uint64_t)(uint{w}_t){self.ex(e.args[0])}))"
         return super().call(e)
 
     # statements ----------------------------------------------------------------------------
@@ -108,6 +110,9 @@ class SimtEmitter(CFamilyEmitter):
         space = self.atomic_suffix.get(s.buffer.scope, "")
         self.w(f"tg_atomic_{s.kind}_{suffix}{space}({ptr}, {self.ex(s.value)});")
 
+    def address_space(self, buf) -> str:
+        return self.spaces.get(buf.scope, "")
+
     def stmt_ExternGemm(self, s):
         raise CompileError("internal: T.gemm reached the SIMT emitter unlowered", s.loc)
 
@@ -117,7 +122,7 @@ class SimtEmitter(CFamilyEmitter):
             self.w(f"const int32_t {self.nm(v)} = (int32_t){idx};")
         self.w(" ".join(f"(void){self.nm(v)};" for v in k.block_vars))
         for s in S.walk(k.body):
-            if isinstance(s, S.Alloc):
+            if isinstance(s, S.Alloc) and s.buffer.alias is None:  # views are pointers, made where they appear
                 self.declare(s.buffer)
         self.stmt(k.body)
 
@@ -134,7 +139,7 @@ class SimtEmitter(CFamilyEmitter):
     def shared_bytes(self) -> int:
         total = 0
         for s in S.walk(self.kernel.body):
-            if isinstance(s, S.Alloc) and s.buffer.scope == "shared":
+            if isinstance(s, S.Alloc) and s.buffer.scope == "shared" and s.buffer.alias is None:
                 total += _round16(math.prod(int(d) for d in s.buffer.shape) * s.buffer.dtype.itemsize)
         return total
 

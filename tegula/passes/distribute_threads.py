@@ -29,7 +29,7 @@ from tegula.ir import stmt as S
 from tegula.ir import simt as X
 from tegula.ir.buffer import Buffer
 from tegula.passes import rewrite
-from tegula.passes.infer_layouts import collect_nest, derive, gemm_layout
+from tegula.passes.infer_layouts import collect_nest, derive, gemm_layout, reduction_threads
 
 _KIND = {"+": "sum", "max": "max", "min": "min"}
 
@@ -57,8 +57,8 @@ def umod(e, c: int):
 
 
 class Distributor:
-    def __init__(self, nthreads: int, warp_size, loc):
-        self.T, self.warp, self.loc = nthreads, warp_size, loc
+    def __init__(self, nthreads: int, warp_size, red_cap: int, loc):
+        self.T, self.warp, self.red_cap, self.loc = nthreads, warp_size, red_cap, loc
         self.tid = E.Var("tid", dt.int32, is_local=True)
         self.allocs: list = []        # buffers the distribution adds (scratch, GEMM registers)
         self.scratch: dict = {}       # dtype name -> shared (T,) buffer for cross-thread reductions
@@ -133,7 +133,7 @@ class Distributor:
 
     def strided(self, n) -> S.Stmt:
         layouts = {b: b.layout for b, _ in n.accesses}
-        mapping, _ = derive(n, layouts, self.T, False)
+        mapping, _ = derive(n, layouts, self.T, False, self.red_cap)
         loc = n.loops[0].loc
         slot_var, value = {}, {}
         for v, ext in n.all_vars():
@@ -177,62 +177,84 @@ class Distributor:
             return None
 
         body = rewrite.stmt(_serial_inner(n.body), fe, fs)
-        if n.red is not None:
-            body = self.split_reduction(body, n, mapping, slot_var, value)
-        body = rewrite.stmt(body, lambda e: value.get(id(e)) if isinstance(e, E.Var) else None)
-        for v, ext in reversed(list(zip(n.vars, n.extents))):
-            a = slot_var.get(id(v))
-            if a is not None:
-                body = S.For(a, _i32(0), _i32(ext // mapping[id(v)][1]), "unroll", body, loc=loc)
-        return body
+        slot_exts = [(v, ext // mapping[id(v)][1]) for v, ext in zip(n.vars, n.extents)]
 
-    def split_reduction(self, body, n, mapping, slot_var, value):
-        """The reduction loop over the thread's share of its range, then the combine across threads."""
+        def over_slots(b):
+            for v, m in reversed(slot_exts):
+                if id(v) in slot_var:
+                    b = S.For(slot_var[id(v)], _i32(0), _i32(m), "unroll", b, loc=loc)
+            return b
+
+        if n.red is None:
+            out = over_slots(body)
+        else:
+            out = self.reduction(body, n, mapping, slot_var, slot_exts, over_slots)
+        return rewrite.stmt(out, lambda e: value.get(id(e)) if isinstance(e, E.Var) else None)
+
+    def warp_ok(self, s: int, c: int) -> bool:
+        return bool(self.warp) and s * c <= self.warp and _pow2(c) and _pow2(s) and self.T % self.warp == 0
+
+    def reduction(self, body, n, mapping, slot_var, slot_exts, over_slots):
+        """A nest holding T.reduce_*: each thread reduces its share of the range; when that range is spread over
+        threads, their partial results are combined, by warp shuffles per output, or else through shared memory
+        for all of the thread's outputs at once (so the barriers are not inside loops)."""
         red = n.red
         s, c = mapping[id(red.var)]
         op, acc = red.annotations["reduction"]
-        out = []
-        for x in (body.body if isinstance(body, S.Seq) else [body]):
-            if isinstance(x, S.For) and "reduction" in x.annotations and x.var is red.var:
+        part, rest = [], []
+        stmts = body.body if isinstance(body, S.Seq) else [body]
+        for k, x in enumerate(stmts):
+            if isinstance(x, S.For) and x.var is red.var:
                 a = slot_var.get(id(red.var))
-                if a is not None:
-                    out.append(dataclasses.replace(x, var=a, extent=_i32(_const(red.extent) // c), kind="unroll",
-                                                   annotations={}))
-                else:
-                    out.append(x.body)
-                if c > 1:
-                    out.extend(self.allreduce(op, acc, s, c, x.loc))
-            else:
-                out.append(x)
-        return S.Seq(out, loc=body.loc)
-
-    def allreduce(self, op: str, acc: E.Var, s: int, c: int, loc) -> list:
-        if self.warp and s * c <= self.warp and _pow2(c) and _pow2(s) and self.T % self.warp == 0:
-            return [X.WarpAllReduce(_KIND[op], acc, s, c, loc=loc)]
-        buf = self.scratch.get(acc.dtype.name)
-        if buf is None:
-            buf = Buffer(f"red_{acc.dtype.name}", (self.T,), acc.dtype, "shared")
-            self.scratch[acc.dtype.name] = buf
-            self.allocs.append(buf)
+                part = stmts[:k] + [dataclasses.replace(x, var=a, extent=_i32(_const(red.extent) // c), kind="unroll",
+                                                        annotations={}) if a is not None else x.body]
+                rest = stmts[k + 1:]
+                break
+        loc = red.loc
+        if c == 1:
+            return over_slots(S.Seq(part + rest, loc=loc))
+        if self.warp_ok(s, c):
+            return over_slots(S.Seq(part + [X.WarpAllReduce(_KIND[op], acc, s, c, loc=loc)] + rest, loc=loc))
+        nslots = math.prod(m for _, m in slot_exts)
+        buf = self.scratch_buffer(acc.dtype, nslots * self.T)
+        flat = _i32(0)
+        for v, m in slot_exts:
+            flat = E.binop("*", flat, m)
+            if id(v) in slot_var:
+                flat = E.binop("+", flat, slot_var[id(v)])
+        row = E.binop("*", flat, self.T)
         t = self.digit(s, c)
-        base = E.binop("-", self.tid, E.binop("*", t, s))
-        me = (self.tid,)
-        out = [S.Store(buf, me, acc, loc=loc), X.Barrier(loc=loc)]
-        if _pow2(c):
+        base = E.binop("+", row, E.binop("-", self.tid, E.binop("*", t, s)))
+        me = (E.binop("+", row, self.tid),)
+        # acc is declared once, outside the loops over outputs, since both of them use it
+        decl = [S.Assign(acc, x.value, True, loc=loc) for x in part if isinstance(x, S.Assign) and x.var is acc][:1]
+        part = [S.Assign(acc, x.value, False, loc=loc) if isinstance(x, S.Assign) and x.var is acc else x for x in part]
+        out = decl + [over_slots(S.Seq(part + [S.Store(buf, me, acc, loc=loc)], loc=loc)), X.Barrier(loc=loc)]
+        if _pow2(c) and c > 16:  # a tree: log2(c) steps, each over all of the thread's outputs
             off = c // 2
             while off >= 1:
-                other = E.Load(buf, (E.binop("+", self.tid, off * s),))
-                out += [S.If(E.compare("<", t, off), S.Store(buf, me, E.binop(op, E.Load(buf, me), other), loc=loc),
-                             loc=loc), X.Barrier(loc=loc)]
+                other = E.Load(buf, (E.binop("+", me[0], off * s),))
+                step = S.If(E.compare("<", t, off), S.Store(buf, me, E.binop(op, E.Load(buf, me), other), loc=loc),
+                            loc=loc)
+                out += [over_slots(step), X.Barrier(loc=loc)]
                 off //= 2
-            out.append(S.Assign(acc, E.Load(buf, (base,)), False, loc=loc))
-        else:
-            v = E.Load(buf, (base,))
+            total = E.Load(buf, (base,))
+        else:  # every thread reads the c partial results, in one order, so all get the same value
+            total = E.Load(buf, (base,))
             for k in range(1, c):
-                v = E.binop(op, v, E.Load(buf, (E.binop("+", base, k * s),)))
-            out.append(S.Assign(acc, v, False, loc=loc))
-        out.append(X.Barrier(loc=loc))
-        return out
+                total = E.binop(op, total, E.Load(buf, (E.binop("+", base, k * s),)))
+        out.append(over_slots(S.Seq([S.Assign(acc, total, False, loc=loc)] + rest, loc=loc)))
+        return S.Seq(out, loc=loc)  # insert_barriers orders the next use of the scratch after these reads
+
+    def scratch_buffer(self, dtype, size: int) -> Buffer:
+        """The block's shared scratch for cross-thread reductions of ``dtype``, at least ``size`` elements."""
+        buf = self.scratch.get(dtype.name)
+        if buf is None:
+            buf = Buffer(f"red_{dtype.name}", (size,), dtype, "shared")
+            self.scratch[dtype.name] = buf
+            self.allocs.append(buf)
+        buf.shape = (max(buf.shape[0], size),)
+        return buf
 
     # T.gemm ----------------------------------------------------------------------------------
     def gemm(self, g: S.ExternGemm) -> S.Stmt:
@@ -339,7 +361,7 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
     if limit and nthreads > limit:
         raise CompileError(f"T.Kernel: {nthreads} threads per block is more than the {target.name} target's limit "
                            f"of {limit}", k.loc)
-    d = Distributor(nthreads, getattr(target, "warp_size", None), k.loc)
+    d = Distributor(nthreads, getattr(target, "warp_size", None), reduction_threads(target), k.loc)
     inner = d.uniform(k.body)
     prologue = [S.Assign(d.tid, X.ThreadIdx(), True, loc=k.loc)] + [S.Alloc(b, loc=k.loc) for b in d.allocs]
     sk = X.SimtKernel(k.grid, k.threads, k.block_vars, S.Seq(prologue + [inner], loc=k.loc), loc=k.loc,

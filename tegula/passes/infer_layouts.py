@@ -118,6 +118,10 @@ class Program:
         self._demote_reads(rewrite.exprs_of(s), "read outside a T.Parallel nest")
         if isinstance(s, (S.Store, S.AtomicElem)) and is_fragment(s.buffer):
             self.demoted.setdefault(s.buffer, "written outside a T.Parallel nest")
+        if isinstance(s, S.Alloc) and s.buffer.alias is not None:  # a T.reshape view shares its storage
+            for b in (s.buffer, s.buffer.alias):
+                if is_fragment(b):
+                    self.demoted.setdefault(b, "viewed with T.reshape / T.view")
         if isinstance(s, S.ExternGemm):
             self.gemms.append(s)
             for rg in (s.a, s.b):
@@ -148,6 +152,12 @@ def _overlap(a, b) -> bool:
     return c1 > 1 and c2 > 1 and not (s1 * c1 <= s2 or s2 * c2 <= s1)
 
 
+def reduction_threads(target) -> int:
+    """How many threads a reduction with a free choice spreads its range over: a warp where the target has warp
+    shuffles, else 16."""
+    return getattr(target, "warp_size", None) or 16
+
+
 def gemm_layout(m: int, n: int, nthreads: int) -> Layout:
     """C's layout for the per-thread micro-tile GEMM: rows over the high thread digits (a function of m and the
     thread count only, so that row vectors line up with every accumulator of the same height), columns over the
@@ -168,9 +178,12 @@ class Conflict(Exception):
         self.buf, self.why = buf, why
 
 
-def derive(nest: Nest, layouts: dict, nthreads: int, assign: bool):
+def derive(nest: Nest, layouts: dict, nthreads: int, assign: bool, red_cap: int = 16):
     """The thread digit of each loop variable of ``nest`` -> {id(var): (stride, count)}, and (when ``assign``)
-    layouts for the fragments of the nest that have none yet. Raises Conflict naming a fragment to demote."""
+    layouts for the fragments of the nest that have none yet. Raises Conflict naming a fragment to demote.
+
+    Variables no fragment constrains take free thread digits, lowest first: a reduction's variable first but on
+    at most ``red_cap`` threads (a warp, where partial results combine by shuffles), then the innermost loops."""
     var_ids = {id(v): k for k, (v, _) in enumerate(nest.all_vars())}
     mapping: dict = {}
     for buf, idx in nest.accesses:
@@ -200,8 +213,9 @@ def derive(nest: Nest, layouts: dict, nthreads: int, assign: bool):
             mapping[id(v)] = (1, 1)
             continue
         dig = (1, 1)
+        cap = red_cap if nest.red is not None and v is nest.red.var else nthreads
         for g, cnt in _gaps(list(mapping.values()), nthreads):
-            c = math.gcd(ext, cnt)
+            c = math.gcd(math.gcd(ext, cnt), cap)
             if c > 1:
                 dig = (g, c)
                 break
@@ -242,7 +256,7 @@ def _pure(nest: Nest, buf, idx) -> bool:
     return all(isinstance(ix, E.Const) or (isinstance(ix, E.Var) and id(ix) in ids) for ix in idx)
 
 
-def solve(prog: Program) -> dict:
+def solve(prog: Program, red_cap: int = 16) -> dict:
     """fragment -> Layout for the register fragments (the rest are in ``prog.demoted``)."""
     for n in prog.nests:
         for buf, idx in n.accesses:
@@ -250,12 +264,12 @@ def solve(prog: Program) -> dict:
                 prog.demoted.setdefault(buf, "indexed by something other than a T.Parallel loop variable")
     while True:
         try:
-            return _solve_once(prog)
+            return _solve_once(prog, red_cap)
         except Conflict as c:
             prog.demoted.setdefault(c.buf, c.why)
 
 
-def _solve_once(prog: Program) -> dict:
+def _solve_once(prog: Program, red_cap: int) -> dict:
     T = prog.nthreads
     layouts: dict = {}
     for g in prog.gemms:
@@ -270,16 +284,18 @@ def _solve_once(prog: Program) -> dict:
         for n in nests:
             touched = [b for b, _ in n.accesses]
             if any(b in layouts for b in touched) and any(b not in layouts for b in touched):
-                layouts.update(derive(n, layouts, T, True)[1])
+                layouts.update(derive(n, layouts, T, True, red_cap)[1])
                 progress = True
         if progress:
             continue
         rest = [n for n in nests if any(b not in layouts for b, _ in n.accesses)]
         if not rest:
             break
-        layouts.update(derive(rest[0], layouts, T, True)[1])
+        # a reduction decides first: its layout keeps the reduced dimension on few threads
+        first = next((n for n in rest if n.red is not None), rest[0])
+        layouts.update(derive(first, layouts, T, True, red_cap)[1])
     for n in nests:  # every nest must agree with the final layouts
-        derive(n, layouts, T, False)
+        derive(n, layouts, T, False, red_cap)
     for buf, lay in layouts.items():
         if lay.slots > MAX_SLOTS:
             raise Conflict(buf, f"{lay.slots} elements per thread is more than registers hold")
@@ -300,7 +316,7 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
         raise CompileError(f"the {target.name} target runs one T.Kernel per function; this one has "
                            f"{len(kernels)}", kernels[1].loc)
     prog = Program(kernels[0])
-    layouts = solve(prog)
+    layouts = solve(prog, reduction_threads(target))
     new: dict = {}
     for s in S.walk(kernels[0].body):
         if isinstance(s, S.Alloc) and is_fragment(s.buffer):
@@ -310,6 +326,7 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
                 nb.layout = layouts[b]
             else:
                 nb = Buffer(b.name, b.shape, b.dtype, "shared", b.loc)
+            nb.alias = new.get(b.alias, b.alias)
             new[b] = nb
     return _replace_buffers(func, new)
 

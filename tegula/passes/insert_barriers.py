@@ -28,6 +28,13 @@ def _mentions(exprs, var) -> bool:
     return any(x is var for e in exprs for x in rewrite.sub_exprs(e))
 
 
+def _root(buf):
+    """The buffer whose storage ``buf`` is (a T.reshape / T.view is the same memory)."""
+    while getattr(buf, "alias", None) is not None:
+        buf = buf.alias
+    return buf
+
+
 def _accesses(s, who) -> list:
     """(buffer, who, kind) for every shared/global access in ``s``; kind is r (read), w (write), a (atomic)."""
     out = []
@@ -35,16 +42,16 @@ def _accesses(s, who) -> list:
         for e in rewrite.exprs_of(x):
             for sub in rewrite.sub_exprs(e):
                 if isinstance(sub, E.Load) and sub.buffer.scope in _MEMORY:
-                    out.append((sub.buffer, who, "r"))
+                    out.append((_root(sub.buffer), who, "r"))
         if isinstance(x, S.Store) and x.buffer.scope in _MEMORY:
-            out.append((x.buffer, who, "w"))
+            out.append((_root(x.buffer), who, "w"))
         if isinstance(x, S.AtomicElem) and x.buffer.scope in _MEMORY:
-            out.append((x.buffer, who, "a"))
+            out.append((_root(x.buffer), who, "a"))
     return out
 
 
 def _expr_accesses(exprs) -> list:
-    return [(x.buffer, "all", "r") for e in exprs for x in rewrite.sub_exprs(e)
+    return [(_root(x.buffer), "all", "r") for e in exprs for x in rewrite.sub_exprs(e)
             if isinstance(x, E.Load) and x.buffer.scope in _MEMORY]
 
 
@@ -86,7 +93,18 @@ class Placer:
         if isinstance(s, X.Barrier):
             state.clear()
             return s
-        if isinstance(s, S.Seq) and not isinstance(s, X.ThreadNest):
+        if isinstance(s, X.ThreadNest):  # its parts are steps of their own, every thread taking part in each
+            out = []
+            for c in s.body:
+                if isinstance(c, X.Barrier):
+                    state.clear()
+                    out.append(c)
+                elif self.step(_accesses(c, "all"), state):
+                    out += [X.Barrier(loc=c.loc), c]
+                else:
+                    out.append(c)
+            return type(s)(out, loc=s.loc)
+        if isinstance(s, S.Seq):
             out = []
             for c in s.body:
                 c2 = self.block(c, state)

@@ -94,35 +94,52 @@ def _prelude_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def options() -> list[str]:
+    return BUILD_OPTIONS + config.get().opencl_flags.split()
+
+
 def identity() -> str:
-    """The device and driver a binary is built for, the build options and the prelude (part of the cache key)."""
+    """The device and driver a kernel is built for, the build options and the prelude (part of the cache key)."""
     _, _, dev, _ = state()
-    return "|".join([dev.name, dev.platform.version, dev.driver_version, " ".join(BUILD_OPTIONS), _prelude_hash()])
+    return "|".join([dev.name, dev.platform.version, dev.driver_version, " ".join(options()), _prelude_hash()])
+
+
+_BUILT: dict = {}  # source -> program built in this process
+
+
+def _compile(source: str, name: str):
+    prg = _BUILT.get(source)
+    if prg is None:
+        cl, ctx, _, _ = state()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pyopencl repeats the compiler's warnings
+                prg = cl.Program(ctx, source).build(options=options())
+        except cl.Error as e:
+            raise CompileError(f"the OpenCL compiler failed on kernel {name!r} (a tegula bug or an unsupported "
+                               "construct; the source is tegula.lower(...).kernel_source)", detail=str(e)) from None
+        _BUILT[source] = prg
+    return prg
 
 
 def build(source: str, out_path: str, name: str = "kernel") -> None:
-    """Compile ``source`` for the device and write the binary, with its launch description, to ``out_path``."""
+    """Compile ``source`` for the device and keep it, with its launch description, in ``out_path``.
+
+    The file holds the source, not the device binary: asking PoCL for a binary makes it compile the kernel for
+    every work-group size (tens of seconds for a flash attention kernel), while building from the source again
+    hits PoCL's own cache (POCL_CACHE_DIR) and the GPU drivers' caches."""
     meta = launch.parse(source)
-    cl, ctx, dev, _ = state()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prg = cl.Program(ctx, source).build(options=BUILD_OPTIONS)
-    except cl.Error as e:
-        raise CompileError(f"the OpenCL compiler failed on kernel {name!r} (a tegula bug or an unsupported "
-                           "construct; the source is tegula.lower(...).kernel_source)", detail=str(e)) from None
-    launch.write(out_path, meta, prg.get_info(cl.program_info.BINARIES)[0])
+    _compile(source, name)
+    launch.write(out_path, meta, source.encode())
 
 
 def load(path: str, name: str, signature: list[str]) -> "OpenCLProgram":
-    meta, binary = launch.read(path)
+    meta, source = launch.read(path)
     cl, ctx, dev, queue = state()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prg = cl.Program(ctx, [dev], [binary]).build(options=BUILD_OPTIONS)
-    except cl.Error as e:
-        raise OSError(f"cached OpenCL binary {path} does not load: {e}") from None
+        prg = _compile(source.decode(), name)
+    except CompileError as e:
+        raise OSError(f"cached OpenCL kernel {path} does not build: {e}") from None
     return OpenCLProgram(cl, ctx, queue, cl.Kernel(prg, meta["kernel"]), meta)
 
 
@@ -138,7 +155,7 @@ class OpenCLProgram:
         for k, kind in enumerate(meta["params"]):
             if not kind.startswith("p:"):
                 self.scalars[k] = _scalar_type(np, kind)
-        limit = kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, queue.device)
+        limit = queue.device.max_work_group_size
         if self.threads > limit:
             raise CompileError(f"kernel {meta['kernel']} uses {self.threads} threads per block; the OpenCL device "
                                f"{queue.device.name.strip()} runs at most {limit}")

@@ -56,6 +56,11 @@ typedef ulong uint64_t;
 #define TG__F64_BITS(x) as_ulong(x)
 #define TG__BITS_F64(x) as_double(x)
 #define tg_popcount64(x) popcount((ulong)(x))
+#define tg_clz64(x) ((int32_t)clz((ulong)(x)))
+#define tg_f2bits(x) as_uint(x)
+#define tg_bits2f(x) as_float(x)
+#define tg_d2bits(x) as_ulong(x)
+#define tg_bits2d(x) as_double(x)
 #else /* CUDA */
 #include <stdint.h>
 #include <math.h>
@@ -65,6 +70,11 @@ typedef ulong uint64_t;
 #define TG__F64_BITS(x) ((uint64_t)__double_as_longlong(x))
 #define TG__BITS_F64(x) __longlong_as_double((long long)(x))
 #define tg_popcount64(x) __popcll((unsigned long long)(x))
+#define tg_clz64(x) __clzll((long long)(x))
+#define tg_f2bits(x) __float_as_uint(x)
+#define tg_bits2f(x) __uint_as_float(x)
+#define tg_d2bits(x) ((uint64_t)__double_as_longlong(x))
+#define tg_bits2d(x) __longlong_as_double((long long)(x))
 #endif
 
 #include "tegula_types.h"
