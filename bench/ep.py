@@ -1,0 +1,155 @@
+"""tegula.ep dispatch and combine between processes of this machine, against a single-process memcpy and a bare
+gloo all_to_all_single of the same bytes, measured in one run.
+
+    python -m bench.ep [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--ranks 2] [--reps 10]
+                       [--transport auto|shm|dist]
+
+Each rank is a process pinned to one core (rank % cores) with one thread. GB/s per rank = the bytes of x a rank
+receives in dispatch (DeepEP's convention; combine sends the same rows back) / the time. Each repeat starts after
+a barrier and its time is the slowest rank's; the table gives the median over repeats and the spread (min-max).
+memcpy = one process (rank 0 widened to all cores, the other ranks waiting) copying the same bytes into a warm
+buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted in bytes copied. gloo =
+all_to_all_single of the same per-destination bytes. The four are interleaved in every repeat, so all of them see
+the same machine load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _worker(args) -> None:
+    rank, world = args.worker, args.ranks
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    os.environ["TEGULA_NUM_THREADS"] = "1"
+    from datetime import timedelta
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    from tegula.ep import Buffer
+    gen = torch.Generator().manual_seed(rank)
+    t, h, e, k = args.tokens, args.hidden, args.experts, args.topk
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
+    topk_idx = torch.rand((t, e), generator=gen).topk(k, dim=1).indices
+    topk_weights = torch.rand((t, k), generator=gen)
+    nvl = Buffer.get_nvl_buffer_size_hint(t, h * 2, world, k)
+    buf = Buffer(None, nvl, 0, transport=None if args.transport == "auto" else args.transport, timeout_s=120)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, e)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    # a bare gloo all_to_all_single of the same bytes of x
+    send_bytes = [int(n) * h * 2 for n in per_rank.tolist()]
+    counts = [None] * world
+    dist.all_gather_object(counts, send_bytes)
+    recv_split = [counts[s][rank] for s in range(world)]
+    a2a_src = torch.empty(sum(send_bytes), dtype=torch.uint8)
+    a2a_dst = torch.empty(sum(recv_split), dtype=torch.uint8)
+    # memcpy of one rank's received bytes by one process (rank 0, widened to every core) while the others wait
+    cpy_src = torch.empty(sum(recv_split), dtype=torch.uint8).fill_(1) if rank == 0 else None
+    cpy_dst = torch.empty_like(cpy_src).fill_(0) if rank == 0 else None
+
+    def memcpy():
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        t0 = time.perf_counter()
+        cpy_dst.copy_(cpy_src)
+        t1 = time.perf_counter()
+        np.copyto(cpy_dst.numpy(), cpy_src.numpy())  # glibc memcpy: non-temporal stores at this size
+        t2 = time.perf_counter()
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        return min(t1 - t0, t2 - t1)
+
+    times = {"dispatch": [], "combine": [], "gloo": [], "memcpy": []}
+    for i in range(args.reps + 2):  # the first two warm up both receive slots and the kernels
+        dt, (recv_x, _, recv_w, _, handle, _) = timed(dispatch)
+        ct, _ = timed(lambda: buf.combine(recv_x, handle, recv_w))
+        gt, _ = timed(lambda: dist.all_to_all_single(a2a_dst, a2a_src, recv_split, send_bytes))
+        dist.barrier()
+        mt = memcpy() if rank == 0 else 0.0
+        if i >= 2:
+            for name, v in zip(times, (dt, ct, gt, mt)):
+                times[name].append(v)
+    recv_bytes = recv_x.numel() * recv_x.element_size()
+    out = [None] * world
+    dist.all_gather_object(out, dict(times, bytes=recv_bytes, transports=buf.transports))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "dist"])
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker is not None:
+        return _worker(args)
+
+    from bench.common import print_table
+    with tempfile.TemporaryDirectory(prefix="tegula-bench-ep-") as d:
+        store, out = os.path.join(d, "store"), os.path.join(d, "out.json")
+        cmd = [sys.executable, "-m", "bench.ep", "--store", store, "--out", out] + [
+            f"--{a}={getattr(args, a)}" for a in ("tokens", "hidden", "topk", "experts", "ranks", "reps", "transport")]
+        procs = [subprocess.Popen(cmd + [f"--worker={r}"]) for r in range(args.ranks)]
+        try:
+            for pr in procs:
+                if pr.wait(timeout=900):
+                    raise SystemExit(f"a rank failed (exit {pr.returncode})")
+        finally:
+            for pr in procs:
+                if pr.poll() is None:
+                    pr.kill()
+        with open(out) as f:
+            ranks = json.load(f)
+    nbytes = statistics.mean(r["bytes"] for r in ranks)
+
+    def slowest(key):
+        return [max(r[key][i] for r in ranks) for i in range(len(ranks[0][key]))]
+
+    medians = {k: statistics.median(slowest(k)) for k in ("dispatch", "combine", "gloo", "memcpy")}
+    rows = []
+    for name, label in (("dispatch", "dispatch"), ("combine", "combine"), ("memcpy", "memcpy (1 process, all cores)"),
+                        ("gloo", "gloo all_to_all_single")):
+        ts = slowest(name)
+        rows.append([label, medians[name] * 1e3, f"{min(ts) * 1e3:.3g}-{max(ts) * 1e3:.3g}",
+                     nbytes / medians[name] / 1e9, medians["memcpy"] / medians[name], medians["gloo"] / medians[name]])
+    print(f"\ntegula.ep on this machine: {args.ranks} ranks x {args.tokens} tokens, hidden {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, bf16; transports of rank 0: {ranks[0]['transports']}; "
+          f"{nbytes / 1e6:.1f} MB received per rank; {args.reps} repeats")
+    print_table("per rank (median; spread = min-max over repeats, slowest rank each)",
+                ["", "ms", "spread ms", "GB/s", "x memcpy", "x gloo"], rows)
+
+
+if __name__ == "__main__":
+    main()

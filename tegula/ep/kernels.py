@@ -1,0 +1,179 @@
+"""The two data movements of expert parallelism, written in T.*: moving rows (dispatch) and summing gathered rows
+(combine). CPU tensors run the compiled ``c`` kernels; other devices, or a machine without a C compiler, run the
+torch versions below, which compute the same thing in the same order."""
+from __future__ import annotations
+
+import tegula
+import tegula.language as T
+
+
+@tegula.jit(target="c")
+def copy_rows_kernel(dtype: str):
+    """Y[dst[i], :] = X[src[i], :] for i < N: rows of W elements, one row per block."""
+    M = T.dynamic("M")
+    N = T.dynamic("N")
+    P = T.dynamic("P")
+    W = T.dynamic("W")
+
+    @T.prim_func
+    def copy_rows(X: T.Tensor((M, W), dtype), src: T.Tensor((N,), "int32"), dst: T.Tensor((N,), "int32"),
+                  Y: T.Tensor((P, W), dtype)):
+        with T.Kernel(N, threads=128) as i:
+            s = src[i]
+            d = dst[i]
+            for j in T.Parallel(W):
+                Y[d, j] = X[s, j]
+
+    return copy_rows
+
+
+@tegula.jit(target="c")
+def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
+    """Y[t, :] = bias0[t] + bias1[t] + sum_s w[t, s] * R(idx[t, s]), summed in float32 in order s = 0..S-1 and
+    rounded once to ``dtype``. R(i) is A[i] for 0 <= i < Na (A's rows), B[i - Na] for i >= Na; i < 0 adds nothing.
+    ``weighted=False`` drops w (every weight 1); ``nbias`` of the two bias tensors are read. Columns go ``block``
+    at a time (H % block == 0) so the float32 accumulator stays in L1."""
+    Na = T.dynamic("Na")
+    Nb = T.dynamic("Nb")
+    N = T.dynamic("N")
+    H = T.dynamic("H")
+    S = T.dynamic("S")
+
+    @T.prim_func
+    def gather_sum(A: T.Tensor((Na, H), dtype), B: T.Tensor((Nb, H), dtype), idx: T.Tensor((N, S), "int32"),
+                   w: T.Tensor((N, S), "float32"), bias0: T.Tensor((N, H), dtype), bias1: T.Tensor((N, H), dtype),
+                   Y: T.Tensor((N, H), dtype)):
+        with T.Kernel(N, threads=128) as t:
+            acc = T.alloc_fragment((block,), "float32")
+            for c in T.serial(H // block):
+                if nbias == 2:
+                    for j in T.Parallel(block):
+                        acc[j] = T.cast(bias0[t, c * block + j], "float32") + T.cast(bias1[t, c * block + j],
+                                                                                      "float32")
+                elif nbias == 1:
+                    for j in T.Parallel(block):
+                        acc[j] = T.cast(bias0[t, c * block + j], "float32")
+                else:
+                    T.clear(acc)
+                for s in T.serial(S):
+                    i = idx[t, s]
+                    if i >= Na:
+                        if weighted:
+                            for j in T.Parallel(block):
+                                acc[j] += w[t, s] * B[i - Na, c * block + j]
+                        else:
+                            for j in T.Parallel(block):
+                                acc[j] += B[i - Na, c * block + j]
+                    elif i >= 0:
+                        if weighted:
+                            for j in T.Parallel(block):
+                                acc[j] += w[t, s] * A[i, c * block + j]
+                        else:
+                            for j in T.Parallel(block):
+                                acc[j] += A[i, c * block + j]
+                for j in T.Parallel(block):
+                    Y[t, c * block + j] = acc[j]
+
+    return gather_sum
+
+
+_COMPILED: dict = {}
+_THP_BYTES = 4 << 20
+
+
+def _compiled(tensor) -> bool:
+    """Whether the ``c`` kernels serve this tensor: a CPU tensor on a machine where they build."""
+    if tensor.device.type != "cpu":
+        return False
+    ok = _COMPILED.get("c")
+    if ok is None:
+        try:
+            copy_rows_kernel("uint8")
+            ok = True
+        except Exception:  # no C compiler here: the torch versions serve
+            ok = False
+        _COMPILED["c"] = ok
+    return ok
+
+
+def empty(shape, dtype, device):
+    """A fresh tensor. Large CPU ones are backed by transparent huge pages where the kernel offers them: a fresh
+    58 MB output otherwise spends longer in page faults than in being written."""
+    import mmap
+
+    import torch
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < _THP_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype, device=device)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _word_view(t, row_bytes):
+    """``t`` (contiguous rows of ``row_bytes``) as rows of the widest integer word dividing them."""
+    import torch
+    for size, word in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if row_bytes % size == 0:
+            return t.view(torch.uint8).view(-1, row_bytes).view(word)
+    return t.view(torch.uint8).view(-1, row_bytes)
+
+
+def copy_rows(x, src, dst, y) -> None:
+    """y[dst[i]] = x[src[i]] for every i: rows of contiguous tensors of one dtype (row = all but the first
+    dimension), int32 indices."""
+    n = src.numel()
+    if n == 0:
+        return
+    if not _compiled(x):
+        y.index_copy_(0, dst.long(), x.index_select(0, src.long()))
+        return
+    row = x[0].numel() * x.element_size() if x.shape[0] else y[0].numel() * y.element_size()
+    xv, yv = _word_view(x, row), _word_view(y, row)
+    copy_rows_kernel(str(xv.dtype)[6:])(xv, src, dst, yv)
+
+
+def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
+    """out[t] = sum(bias) + sum_s w[t, s] * row(idx[t, s]) in float32, in order, rounded once to a's dtype; row(i)
+    is a[i] below a.shape[0], b[i - a.shape[0]] above, nothing for i < 0. Shapes: a [Na, H], b [Nb, H],
+    idx [N, S] int32, w [N, S] float32 or None (weights 1), bias: up to two [N, H] tensors. Contiguous inputs.
+    ``small``: a few columns (top-k weights), not worth a kernel."""
+    import torch
+    n, s = idx.shape
+    h = a.shape[1]
+    if out is None:
+        out = empty((n, h), a.dtype, a.device)
+    if n == 0:
+        return out
+    if small or not _compiled(a):
+        return _gather_sum_torch(a, b, idx, w, bias, out)
+    if not a.shape[0]:  # every index >= 0 points into b: let b stand for both sides
+        a = b if b.shape[0] else out[:1]
+    if not b.shape[0]:  # never indexed; the kernel still wants rows
+        b = a
+    block = next(c for c in (256, 32, 8, 1) if h % c == 0)
+    k = gather_sum_kernel(str(a.dtype)[6:], w is not None, len(bias), block)
+    unread = idx.view(torch.float32)  # the kernel's w / bias parameters when they are not used
+    k(a, b, idx, w if w is not None else unread, bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
+    return out
+
+
+def _gather_sum_torch(a, b, idx, w, bias, out):
+    import torch
+    acc = torch.zeros(tuple(out.shape), dtype=torch.float32, device=out.device)
+    for bi in bias:
+        acc += bi.float()
+    rows = torch.cat([a, b]) if b.shape[0] else a
+    for s in range(idx.shape[1]):
+        i = idx[:, s].long()
+        hit = (i >= 0).nonzero().squeeze(1)
+        if hit.numel():
+            v = rows.index_select(0, i[hit]).float()
+            if w is not None:
+                v = v * w[hit, s].unsqueeze(1)
+            acc.index_add_(0, hit, v)
+    out.copy_(acc)
+    return out

@@ -1,0 +1,57 @@
+"""One rank of a tests/ep world: joins a gloo group through a file store, runs cases from ep_cases.py in order and
+writes {case: {"ok", "error", "s"}} as JSON after each one (a killed rank leaves what it finished).
+
+    python tests/ep/ep_worker.py RANK WORLD STORE OUT SPEC[,SPEC...]
+
+A SPEC is "all:NAME" (every rank, one group), "pairs:NAME" (ranks {0, 1}, {2, 3}, ... each run NAME as a world of
+two, at the same time) or "split:NAME0/NAME1" (pair 0 runs NAME0, pair 1 runs NAME1, other pairs nothing).
+"""
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+
+def main():
+    started = time.monotonic()
+    rank, world, store, out, specs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.setdefault("TEGULA_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=float(os.environ.get("EP_TEST_GLOO_TIMEOUT", "30"))))
+    pairs = [dist.new_group([p, p + 1]) for p in range(0, world - 1, 2)]
+    import ep_cases as cases
+    import ep_reference as ref
+    results = {"startup_s": round(time.monotonic() - started, 3)}
+    for spec in specs.split(","):
+        mode, name = spec.split(":")
+        if mode == "all":
+            ref.GROUP, r, n = None, rank, world
+        else:
+            if rank // 2 >= len(pairs):
+                continue
+            ref.GROUP, r, n = pairs[rank // 2], rank % 2, 2
+            if mode == "split":
+                names = name.split("/")
+                if rank // 2 >= len(names):
+                    continue
+                name = names[rank // 2]
+        t0 = time.monotonic()
+        try:
+            getattr(cases, "case_" + name)(r, n)
+            results[spec] = {"ok": True}
+        except BaseException:  # report, and go on to the next case
+            results[spec] = {"ok": False, "error": f"(running {name})\n" + traceback.format_exc()}
+        results[spec]["s"] = round(time.monotonic() - t0, 3)
+        results["segments"] = sorted(cases.SEGMENTS)
+        with open(out + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(out + ".tmp", out)
+
+
+if __name__ == "__main__":
+    main()
