@@ -64,8 +64,8 @@ def _state():
         ck=T.alloc_shared((CAP,), "int32"),         # candidate keys
         ci=T.alloc_shared((CAP,), "int32"),         # candidate indices
         und=T.alloc_shared((CAP,), "uint32"),       # select: the keys still undecided
-        tk=T.alloc_shared((KMAX,), "int32"),        # sort: the other half of the ping-pong
-        ti=T.alloc_shared((KMAX,), "int32"),
+        tk=T.alloc_shared((KMAX + 1,), "int32"),    # select's output and sort's other half (+1: the
+        ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
         hist=T.alloc_shared((2 * HBINS,), "int32"),
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
         fb=T.alloc_fragment((NSUB, SUB), "uint32"),

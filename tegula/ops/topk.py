@@ -38,7 +38,7 @@ def get_stride_requirement() -> tuple[int, int]:
 def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_type=None,  # noqa: A002
          sorted_index: bool = False, hint=None, output_idx=None, output_idx_offset=None,
          idx_oob_fill_value: int = 2147483647, value_oob_fill_value: float = float("-inf"),
-         return_value: bool = True, abort_when_nan_found: bool = True, *, target: str | None = None):
+         return_value: bool = True, abort_when_nan_found: bool = True):
     """The ``topk`` largest values of each row of ``input`` and their column indices.
 
     input: (batch, n) torch CPU tensor, bfloat16 / float16 / float32. topk: 1..4096.
@@ -52,7 +52,7 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     NaN in a row longer than topk raises ValueError, or with abort_when_nan_found=False sets that row's
     indices[row, 0] to 0x3F3F3F3F (the rest of such a row is unspecified); shorter rows are not checked.
     return_value=False skips the values: the result is (None, indices).
-    target: tegula target (default: TEGULA_TARGET, else the best available).
+    Runs on the target TEGULA_TARGET names, else the best available (c where a C compiler is found).
     Returns (values or None, indices), both (batch, topk).
     """
     import torch
@@ -120,7 +120,7 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         input = input.contiguous()
 
     bits, inf_mag = spec
-    tgt = target or _default_target()
+    tgt = _current_target()
     idx_name = "int64" if indices_type is torch.int64 else "int32"
     b2 = min(max(topk, 512), K.B2MAX)
     flags, status = _flags(torch)
@@ -178,6 +178,7 @@ def _row_vector(torch, t, name, batch):
 
 
 _CACHE: dict = {}
+_TARGETS: dict = {}
 _FULL: dict = {}
 _LOCAL = threading.local()
 
@@ -221,11 +222,13 @@ def _specs(torch):
     return s
 
 
-def _default_target():
-    t = _CACHE.get("target")
+def _current_target():
+    """TEGULA_TARGET's target, else the best available one (resolved once per setting)."""
+    setting = os.environ.get("TEGULA_TARGET")
+    t = _TARGETS.get(setting)
     if t is None:
         from tegula.jit.targets import resolve
-        t = _CACHE["target"] = resolve(None).name
+        t = _TARGETS[setting] = resolve(None).name
     return t
 
 

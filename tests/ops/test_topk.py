@@ -1,0 +1,270 @@
+"""tegula.ops.topk: DeepSelect's topk checked without a reference top-k (as DeepSelect's own tests do): indices
+unique and in range, values bit-equal to input[indices], the smallest selected value >= the largest unselected one,
+the requested order; fill values past short rows; NaN rows flagged or refused; bad arguments raise. Runs on the
+c target, a few tiny cases on interp."""
+import random
+
+import pytest
+import torch
+
+from tegula.ops import topk as topk_mod
+from tegula.ops.topk import get_stride_requirement, topk
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+RAW = {BF16: torch.int16, F16: torch.int16, F32: torch.int32}
+NAN_FLAG = 0x3F3F3F3F
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("TEGULA_TARGET", "c")
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+def check(x, k, values, indices, end=None, by_value=False, offset=None, idx_fill=2**31 - 1,
+          val_fill=float("-inf")):
+    """Every property of a correct result, vectorised over the rows (NaN-free rows)."""
+    b, n = x.shape
+    assert indices.shape == (b, k) and (values is None or values.shape == (b, k))
+    length = torch.full((b,), n) if end is None else end.long()
+    valid = torch.arange(k)[None, :] < length.clamp(max=k)[:, None]
+    idx = indices.long() - (0 if offset is None else offset.long()[:, None])
+    assert bool((indices[~valid] == idx_fill).all()), "fill indices past a short row"
+    assert bool((((idx >= 0) & (idx < length[:, None])) | ~valid).all()), "index out of range"
+    big = torch.iinfo(torch.int64).max
+    srt = torch.where(valid, idx, big).sort(1).values
+    assert not bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != big)).any()), "duplicate index"
+    safe = torch.where(valid, idx, 0)
+    picked = x.gather(1, safe)
+    raw = RAW[x.dtype]
+    if values is not None:
+        fill_bits = torch.tensor([val_fill], dtype=x.dtype).view(raw)
+        want = torch.where(valid, picked.view(raw), fill_bits)
+        assert torch.equal(values.view(raw), want), "values are not input[indices] (bit for bit) and fills"
+    xf = x.float()
+    in_row = torch.arange(n)[None, :] < length[:, None]
+    chosen = torch.zeros(b, n, dtype=torch.int32).scatter_add(1, safe, valid.int()) > 0
+    lo = torch.where(valid, picked.float(), float("inf")).amin(1)
+    hi = torch.where(in_row & ~chosen, xf, float("-inf")).amax(1)
+    assert bool((lo >= hi).all()), "an unselected value is larger than a selected one"
+    if by_value:
+        v = torch.where(valid, picked.float(), float("-inf"))
+        assert bool(((v[:, 1:] <= v[:, :-1]) | ~valid[:, 1:]).all()), "values not descending"
+        bits = picked.view(raw)   # equal bits keep index order (-0.0 ranks below +0.0)
+        ties = (bits[:, 1:] == bits[:, :-1]) & valid[:, 1:]
+        assert bool(((idx[:, 1:] > idx[:, :-1]) | ~ties).all()), "equal values not in index order"
+    else:
+        assert bool(((idx[:, 1:] > idx[:, :-1]) | ~valid[:, 1:]).all()), "indices not ascending"
+
+
+# random rows, every dtype ------------------------------------------------------------------------------
+
+SHAPES = [(1, 1, 1), (3, 7, 1), (2, 10, 20), (5, 100, 10), (4, 513, 512), (3, 5000, 512), (2, 8192, 2048),
+          (1, 40000, 4096), (2, 70000, 3), (3, 131072, 777), (64, 2048, 64), (4096, 48, 5)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("b,n,k", SHAPES)
+def test_random_rows(dtype, b, n, k):
+    x = torch.randn(b, n).to(dtype)
+    v, i = topk(x, k)
+    assert v.dtype == dtype and i.dtype == torch.int64
+    check(x, k, v, i)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_one_million_long_rows(dtype):
+    x = (torch.randn(2, 1 << 20) * 100).to(dtype)
+    v, i = topk(x, 2048, sorted=True)
+    check(x, 2048, v, i, by_value=True)
+
+
+@pytest.mark.parametrize("k", [1, 700, 4096])
+def test_long_rows_split_over_cores_and_merged(monkeypatch, k):
+    monkeypatch.setitem(topk_mod._CACHE, "threads", 8)   # fewer rows than cores: segments, then a merge
+    assert topk_mod._segments(3, 300000) > 1
+    x = torch.randn(3, 300000).to(BF16)
+    end = torch.tensor([300000, 200001, k // 2], dtype=torch.int32)
+    off = torch.tensor([5, -3, 100], dtype=torch.int32)
+    v, i = topk(x, k, end=end, output_idx_offset=off, indices_type=torch.int32)
+    check(x, k, v, i, end=end, offset=off)
+    v, i = topk(x, k, sorted=True)
+    check(x, k, v, i, by_value=True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_sorted_by_value(dtype):
+    x = torch.randn(6, 3000).to(dtype)
+    x[0] = 1.5  # all equal: index order
+    x[1, ::3] = 2.0
+    for k in (1, 64, 999, 3000, 4000):
+        v, i = topk(x, k, sorted=True)
+        check(x, k, v, i, by_value=True)
+
+
+def test_sorted_index_and_adversarial_orders():
+    n = 20000
+    up = torch.arange(n, dtype=F32)[None, :]
+    rows = torch.cat([up, up.flip(1), (up % 97) * 0.5, -up]).to(F32)
+    for k in (1, 300, 2048):
+        v, i = topk(rows, k, sorted_index=True)
+        check(rows, k, v, i)
+        assert torch.equal(i[0], torch.arange(n - k, n))  # ascending input: the last k, in index order
+
+
+def test_sample_fallback_when_the_sample_is_misleading():
+    # the evenly spaced sample sees only large values, fewer than k of them: the row is scanned again
+    n, k = 4096, 600
+    x = torch.zeros(2, n)
+    x[:, ::n // 512] = 10.0
+    x[1] += torch.randn(n) * 0.01
+    v, i = topk(x, k)
+    check(x, k, v, i)
+
+
+# end, fill values, offsets, outputs -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("idx_type", [torch.int32, torch.int64])
+def test_end_fill_offset(dtype, idx_type):
+    b, n, k = 7, 3000, 100
+    x = torch.randn(b, n).to(dtype)
+    end = torch.tensor([0, 1, 99, 100, 101, 2999, 3000], dtype=torch.int32)
+    off = torch.arange(b, dtype=torch.int32) * 1000 - 3000
+    v, i = topk(x, k, end=end, indices_type=idx_type, output_idx_offset=off, idx_oob_fill_value=-7,
+                value_oob_fill_value=0.5)
+    assert i.dtype == idx_type
+    check(x, k, v, i, end=end, offset=off, idx_fill=-7, val_fill=0.5)
+    v, i = topk(x, k, end=end, sorted=True)
+    check(x, k, v, i, end=end, by_value=True)
+
+
+def test_output_idx_and_return_value():
+    x = torch.randn(4, 1000).to(BF16)
+    out = torch.full((4, 33), -1, dtype=torch.int64)
+    v, i = topk(x, 33, output_idx=out)
+    assert i is out
+    check(x, 33, v, i)
+    wide = torch.zeros(4, 40, dtype=torch.int32)  # a strided output (rows padded as DeepSelect pads them)
+    v, i = topk(x, 33, output_idx=wide[:, :33], indices_type=torch.int32, return_value=False)
+    assert v is None and i.data_ptr() == wide.data_ptr()
+    check(x, 33, None, wide[:, :33])
+    assert bool((wide[:, 33:] == 0).all())
+
+
+def test_strided_input_and_empty_shapes():
+    big = torch.randn(5, 3000).to(F16)
+    x = big[:, 100:2100]
+    v, i = topk(x, 50)
+    check(x.contiguous(), 50, v, i)
+    v, i = topk(torch.empty(0, 10, dtype=BF16), 4)
+    assert v.shape == (0, 4) and i.shape == (0, 4)
+    v, i = topk(torch.empty(3, 0, dtype=F32), 4, idx_oob_fill_value=9)
+    assert bool((i == 9).all()) and bool(torch.isneginf(v).all())
+    assert get_stride_requirement() == (2, 8)
+
+
+# special values -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_special_values(dtype):
+    info = torch.finfo(dtype)
+    n = 3000
+    rows = torch.randn(8, n).to(dtype)
+    rows[0, ::7] = float("inf")
+    rows[1] = float("-inf")
+    rows[1, 5:9] = torch.tensor([1.0, -2.0, 0.0, -0.0])               # 4 finite values among -inf
+    rows[2] = info.tiny * torch.rand(n) * (torch.rand(n) - 0.5)         # denormals, both signs
+    rows[3] = torch.randint(-3, 4, (n,)).to(dtype)                     # heavy ties
+    rows[4] = 0.0
+    rows[4, ::2] = -0.0                                                # signed zeros
+    raw = RAW[dtype]
+    base = torch.tensor([1.0], dtype=dtype).view(raw)
+    rows[5] = (base + torch.randint(0, 8, (n,), dtype=raw)).view(dtype)  # a narrow bit range
+    rows[6] = info.max
+    rows[6, 1::3] = info.min
+    rows[7] = torch.randn(n).to(dtype) * 1e-3 + 7
+    for k in (1, 5, 100, 2048):
+        for s in (False, True):
+            v, i = topk(rows, k, sorted=s)
+            check(rows, k, v, i, by_value=s)
+
+
+# NaN ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_nan_rows_are_refused_or_flagged(dtype):
+    b, n, k = 5, 2000, 64
+    x = torch.randn(b, n).to(dtype)
+    x[1, 17] = float("nan")
+    x[3, :5] = -float("nan")
+    x[4, 1] = float("nan")
+    end = torch.tensor([n, n, n, n, 30], dtype=torch.int32)    # row 4 is short: not checked, as in DeepSelect
+    with pytest.raises(ValueError, match="row 1 holds NaN"):
+        topk(x, k, end=end)
+    v, i = topk(x, k, end=end, abort_when_nan_found=False)
+    assert i[1, 0] == NAN_FLAG and i[3, 0] == NAN_FLAG
+    ok = [0, 2]
+    check(x[ok], k, v[ok], i[ok])
+    assert sorted(i[4, :30].tolist()) == list(range(30)) and bool((i[4, 30:] == 2**31 - 1).all())
+    v, i = topk(x[[0, 2]], k)       # the status is per call: clean rows pass again
+    check(x[[0, 2]], k, v, i)
+
+
+def test_nan_in_split_rows(monkeypatch):
+    monkeypatch.setitem(topk_mod._CACHE, "threads", 8)
+    x = torch.randn(2, 200000).to(BF16)
+    x[1, 150000] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        topk(x, 10)
+    v, i = topk(x, 10, abort_when_nan_found=False)
+    assert i[1, 0] == NAN_FLAG
+    check(x[:1], 10, v[:1], i[:1])
+
+
+# bad arguments -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda x: topk(x, 0), ValueError, "topk must be in"),
+    (lambda x: topk(x, 4097), ValueError, "4096"),
+    (lambda x: topk(x, 2.0), TypeError, "topk must be an int"),
+    (lambda x: topk(x.double(), 4), TypeError, "bfloat16, float16 or float32"),
+    (lambda x: topk(x.float().numpy(), 4), TypeError, "input must be a torch.Tensor"),
+    (lambda x: topk(x[0], 4), ValueError, "2-D"),
+    (lambda x: topk(x, 4, sorted=True, return_value=False), ValueError, "return_value"),
+    (lambda x: topk(x, 4, sorted=True, sorted_index=True), ValueError, "sorted_index"),
+    (lambda x: topk(x, 4, sorted=1), TypeError, "sorted must be a bool"),
+    (lambda x: topk(x, 4, begin=torch.zeros(3, dtype=torch.int32)), ValueError, "begin"),
+    (lambda x: topk(x, 4, hint=torch.zeros(3)), ValueError, "hint"),
+    (lambda x: topk(x, 4, end=torch.zeros(3, dtype=torch.int64)), TypeError, "end must have dtype torch.int32"),
+    (lambda x: topk(x, 4, end=torch.zeros(2, dtype=torch.int32)), ValueError, r"end must have shape \(3,\)"),
+    (lambda x: topk(x, 4, end=[1, 2, 3]), TypeError, "end must be a torch.Tensor"),
+    (lambda x: topk(x, 4, end=torch.tensor([5, 101, 0], dtype=torch.int32)), ValueError, r"end\[1\] = 101"),
+    (lambda x: topk(x, 4, end=torch.tensor([5, 1, -1], dtype=torch.int32)), ValueError, r"end\[2\] = -1"),
+    (lambda x: topk(x, 4, output_idx_offset=torch.zeros(3)), TypeError, "output_idx_offset must have dtype"),
+    (lambda x: topk(x, 4, indices_type=torch.int16), TypeError, "indices_type"),
+    (lambda x: topk(x, 4, output_idx=torch.zeros(3, 4, dtype=torch.int32)), TypeError, "output_idx has dtype"),
+    (lambda x: topk(x, 4, output_idx=torch.zeros(3, 5, dtype=torch.int64)), ValueError, "output_idx must have shape"),
+    (lambda x: topk(x, 4, idx_oob_fill_value=2**31), ValueError, "idx_oob_fill_value"),
+    (lambda x: topk(x, 4, value_oob_fill_value="x"), TypeError, "value_oob_fill_value"),
+])
+def test_bad_arguments(call, err, match):
+    x = torch.randn(3, 100).to(BF16)
+    with pytest.raises(err, match=match):
+        call(x)
+
+
+# the reference interpreter -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,b,n,k,by_value", [(BF16, 2, 40, 5, False), (F32, 2, 40, 5, True),
+                                                   (F16, 1, 1100, 7, False), (BF16, 1, 1100, 300, True)])
+def test_interp_agrees(monkeypatch, dtype, b, n, k, by_value):
+    x = torch.randn(b, n).to(dtype)
+    x[0, 3] = x[0, 9]   # a tie
+    end = torch.tensor([n, n - 3][:b], dtype=torch.int32)
+    v, i = topk(x, k, sorted=by_value, end=end)
+    monkeypatch.setenv("TEGULA_TARGET", "interp")
+    vi, ii = topk(x, k, sorted=by_value, end=end)
+    check(x, k, vi, ii, end=end, by_value=by_value)
+    assert torch.equal(ii, i) and torch.equal(vi.view(RAW[dtype]), v.view(RAW[dtype]))
