@@ -38,4 +38,26 @@ def autotune(configs=None, warmup: int = 3, rep: int = 20, **kwargs):
     return _autotune(configs=configs, warmup=warmup, rep=rep, **kwargs)
 
 
-__all__ = ["autotune", "CompileError", "compile", "jit", "lower", "__version__"]
+class _AnyKey(type):
+    def __getattr__(cls, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return "tl." + name[3:].lower() if name.startswith("TL_") else name
+
+
+class PassConfigKey(metaclass=_AnyKey):
+    """TileLang's compiler-pass options (``pass_configs={tegula.PassConfigKey.TL_ENABLE_FAST_MATH: True}``):
+    every key is accepted and ignored, since tegula's passes take no such options."""
+
+
+def __getattr__(name):
+    if name == "TensorSupplyType":  # lazily: the profiler imports the JIT
+        from tegula.jit.profiler import TensorSupplyType
+        return TensorSupplyType
+    raise AttributeError(f"module 'tegula' has no attribute {name!r}")
+
+
+from tegula.math import cdiv, next_power_of_2  # noqa: E402
+
+__all__ = ["autotune", "CompileError", "compile", "jit", "lower", "__version__", "PassConfigKey", "cdiv",
+           "next_power_of_2"]

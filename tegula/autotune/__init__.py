@@ -57,8 +57,19 @@ class AutoTuner:
     def _path(self, key: str) -> str:
         return os.path.join(config.get().cache_dir, "autotune", key[:2], key + ".json")
 
+    def _given(self, args, kwargs, cfgs) -> bool:
+        """Whether the call already fixes a tuned parameter (by keyword or position): then nothing is tuned."""
+        try:
+            names = list(inspect.signature(self.factory.fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+        given = set(kwargs) | set(names[:len(args)])
+        return any(k in given for k in cfgs[0])
+
     def __call__(self, *args, **kwargs):
         cfgs = self.configs(*args, **kwargs)
+        if self._given(args, kwargs, cfgs):
+            return self.factory(*args, **kwargs)
         key = self._key(args, kwargs, cfgs)
         if key in self.best:
             return self.best[key]

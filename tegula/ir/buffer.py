@@ -49,11 +49,23 @@ class Buffer:
             raise CompileError(f"{self.name}[...] = ... is only meaningful inside a kernel")
         Buffer.store_hook(self, idx, value)
 
+    @property
+    def data(self) -> "BufferData":
+        """The buffer's storage, for ``T.Tensor(shape, dtype, buf.data)`` views."""
+        return BufferData(self)
+
     def access_ptr(self, *args, **kwargs):
         raise CompileError("access_ptr is not supported by tegula; pass the buffer itself")
 
     def __repr__(self):
         return f"Buffer({self.name}, {list(self.shape)}, {self.dtype}, {self.scope})"
+
+
+class BufferData:
+    """``buf.data``: a handle to a buffer's storage; only useful to declare a view of it."""
+
+    def __init__(self, buffer: Buffer):
+        self.buffer = buffer
 
 
 def _index_type(i):

@@ -8,6 +8,7 @@ from __future__ import annotations
 _ALIASES = {
     "float8_e4m3": "float8_e4m3fn", "float": "float32", "half": "float16", "bf16": "bfloat16",
     "fp32": "float32", "fp16": "float16", "int": "int32", "double": "float64", "float8_e8m0": "float8_e8m0fnu",
+    "long": "int64", "short": "int16", "uint": "uint32", "ulong": "uint64",
 }
 
 
@@ -38,6 +39,13 @@ class DType:
     @property
     def itemsize(self) -> int:
         return max(1, self.bits // 8)
+
+    bytes = itemsize  # TileLang's name
+
+    def as_torch(self):
+        """The matching ``torch.dtype`` (imports torch on first use)."""
+        import torch
+        return getattr(torch, {"bool": "bool"}.get(self.name, self.name))
 
     def __eq__(self, other) -> bool:
         if isinstance(other, DType):

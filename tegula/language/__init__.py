@@ -25,27 +25,33 @@ from tegula.ir.dtypes import bool_ as bool  # noqa: F401
 from tegula.language.parser import Macro, parse
 from tegula.language.surface import (  # noqa: F401
     Cast,
+    Fragment,
     GemmWarpPolicy,
-    StridedTensor,
     Kernel,
+    Layout,
     Parallel,
     Pipelined,
+    StridedTensor,
     Tensor,
     abs,
     alloc_fragment,
+    alloc_global,
     alloc_local,
     alloc_shared,
     alloc_var,
     annotate_l2_hit_ratio,
     annotate_layout,
     annotate_padding,
+    assume,
     cast,
     ceil,
     ceildiv,
     clamp,
     clz,
     cos,
+    device_assert,
     disable_warp_group_reg_alloc,
+    dtype,
     dynamic,
     erf,
     exp,
@@ -69,6 +75,8 @@ from tegula.language.surface import (  # noqa: F401
     no_set_max_nreg,
     popcount,
     pow,
+    reinterpret,
+    reshape,
     rsqrt,
     serial,
     set_max_nreg,
@@ -84,6 +92,7 @@ from tegula.language.surface import (  # noqa: F401
     unroll,
     use_swizzle,
     vectorized,
+    view,
 )
 from tegula.language.tile import (  # noqa: F401
     atomic_add,
@@ -100,10 +109,9 @@ from tegula.language.tile import (  # noqa: F401
     reduce_sum,
 )
 
-from tegula.language.surface import assume, device_assert, dtype, reinterpret, reshape, view  # noqa: E402, F401
-
 float8_e4m3 = float8_e4m3fn
 half = float16
+float, double, int, long, short, uint, ulong = float32, float64, int32, int64, int16, uint32, uint64  # C spellings
 parallel = Parallel
 Serial = serial
 Buffer = Tensor

@@ -16,8 +16,10 @@ from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.buffer import Buffer, Region
+from tegula.ir.simplify import const_difference
 from tegula.language import builder as B
 from tegula.language import surface
+from tegula.passes import rewrite
 
 _BINOPS = {
     ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
@@ -81,6 +83,8 @@ class Parser:
         self.py = src.scope()     # compile-time Python values
         self.scopes: list[dict] = [{}]  # kernel values (Vars, Buffers) and names bound in the kernel
         self.b = B.Builder()
+        self.let_defs: dict[int, E.Expr] = {}  # id(local Var) -> its defining value, while never reassigned
+        self.pinned: dict[int, int] = {}       # id(local Var) -> line of a tile slice whose extent relies on it
 
     # helpers -----------------------------------------------------------------------------------
     def loc(self, node) -> tuple:
@@ -281,16 +285,51 @@ class Parser:
         if _is_runtime(value) or hasattr(value, "as_expr"):
             value = E.as_expr(value)
             if isinstance(cur, E.Var) and cur.is_local:
+                self.reassigning(cur, node)
                 self.b.emit(S.Assign(cur, E.cast(value, cur.dtype), False))
                 return
             var = E.Var(name, value.dtype, is_local=True)
             self.b.emit(S.Assign(var, value, True))
+            self.let_defs[id(var)] = value
             self.bind(name, var)
             return
         if isinstance(cur, E.Var) and cur.is_local:
+            self.reassigning(cur, node)
             self.b.emit(S.Assign(cur, E.cast(E.as_expr(value, like=cur.dtype), cur.dtype), False))
             return
         self.bind(name, value)  # a compile-time Python value
+
+    def reassigning(self, var, node):
+        self.let_defs.pop(id(var), None)
+        if id(var) in self.pinned:
+            raise self.err(node, f"'{var.name}' is a bound of the tile slice on line {self.pinned[id(var)]}, whose "
+                                 "constant extent assumes it keeps its value; assign the new value to another name")
+
+    def slice_bounds(self, lo, hi, node):
+        """``A[s:e]`` where ``s = ...; e = ...`` are locals: see through their definitions, as TileLang's let
+        bindings do, so that an extent like ``e - s == block_N`` is the compile-time constant it is. The locals
+        used are pinned: reassigning one later is an error."""
+        if lo is None or hi is None or not (_is_runtime(lo) or _is_runtime(hi)) or const_difference(hi, lo) is not None:
+            return lo, hi
+        used = []
+
+        def see_through(x):
+            if isinstance(x, E.Var) and id(x) in self.let_defs:
+                used.append(x)
+                return self.let_defs[id(x)]
+            return None
+        a, b = hi, lo
+        for _ in range(8):
+            a2, b2 = rewrite.expr(a, see_through), rewrite.expr(b, see_through)
+            if a2 is a and b2 is b:
+                break
+            a, b = a2, b2
+            ext = const_difference(a, b)
+            if ext is not None:
+                for v in used:
+                    self.pinned.setdefault(id(v), self.loc(node)[1])
+                return lo, E.binop("+", lo, ext) if _is_runtime(lo) else lo + ext
+        return lo, hi
 
     def stmt_AugAssign(self, node):
         op = _BINOPS.get(type(node.op))
@@ -491,7 +530,9 @@ class Parser:
 
     def eval_index(self, node):
         if isinstance(node, ast.Slice):
-            return slice(*(None if p is None else _val(self.eval(p)) for p in (node.lower, node.upper, node.step)))
+            lo, hi, step = (None if p is None else _val(self.eval(p)) for p in (node.lower, node.upper, node.step))
+            lo, hi = self.slice_bounds(lo, hi, node)
+            return slice(lo, hi, step)
         if isinstance(node, ast.Tuple):
             return tuple(self.eval_index(e) for e in node.elts)
         return _val(self.eval(node))
@@ -521,7 +562,23 @@ class Parser:
             raise self.err(node, f"bad call of {name}: {e}") from None
 
     def expr_Lambda(self, node):
-        raise self.err(node, "lambda is not supported inside a kernel; use a @T.macro")
+        """A lambda (a layout's index map, say) is a compile-time function: calling it evaluates its body with
+        the arguments bound, in the scope where it was written."""
+        a = node.args
+        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults:
+            raise self.err(node, "a lambda in a kernel takes plain positional parameters only")
+        names, scopes = [p.arg for p in a.posonlyargs + a.args], list(self.scopes)
+
+        def fn(*args):
+            if len(args) != len(names):
+                raise CompileError(f"the lambda on line {node.lineno} takes {len(names)} arguments, got {len(args)}")
+            saved = self.scopes
+            self.scopes = scopes + [dict(zip(names, args))]
+            try:
+                return self.eval(node.body)
+            finally:
+                self.scopes = saved
+        return fn
 
     def expr_JoinedStr(self, node):
         return "".join(str(self.eval(v)) if not isinstance(v, ast.Constant) else v.value for v in node.values)

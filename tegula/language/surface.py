@@ -6,16 +6,29 @@ import math
 from tegula.errors import CompileError
 from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
-from tegula.ir.buffer import Buffer
+from tegula.ir.buffer import Buffer, BufferData
 from tegula.language.builder import current, kernel_builder
 
 # parameters ------------------------------------------------------------------------------------
 
 class TensorType:
-    """``T.Tensor(shape, dtype, strides=None)``: a global tensor parameter. Row-major and contiguous unless
-    ``strides`` (in elements; ints or T.dynamic symbols bound at call time) are given."""
+    """``T.Tensor(shape, dtype, data=None, strides=None)``: a global tensor parameter. Row-major and contiguous
+    unless ``strides`` (in elements; ints or T.dynamic symbols bound at call time) are given.
 
-    def __init__(self, shape, dtype="float32", strides=None, **_ignored):
+    Inside a kernel, ``T.Tensor(shape, dtype, buf.data)`` is a view of ``buf``'s storage with another shape
+    (TVM's buffer declaration over existing data), as ``T.reshape(buf, shape)``."""
+
+    def __new__(cls, shape=None, dtype="float32", data=None, strides=None, **_ignored):
+        if data is None:
+            return super().__new__(cls)
+        if not isinstance(data, BufferData):
+            raise CompileError(f"T.Tensor: data= must be another buffer's .data, got {type(data).__name__}")
+        if dt.dtype(dtype) != data.buffer.dtype:
+            raise CompileError(f"T.Tensor over {data.buffer.name}.data: the dtype {dt.dtype(dtype)} differs from "
+                               f"{data.buffer.dtype}; reinterpreting storage is not supported")
+        return reshape(data.buffer, shape)
+
+    def __init__(self, shape, dtype="float32", data=None, strides=None, **_ignored):
         shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
         for d in shape:
             if not (isinstance(d, int) or (isinstance(d, E.Expr) and d.dtype.is_int)):
@@ -101,6 +114,25 @@ def alloc_fragment(shape, dtype, scope="local.fragment"):
 def alloc_local(shape, dtype, scope="local"):
     """A per-thread array."""
     return _alloc(shape, dtype, "local")
+
+
+def alloc_global(shape, dtype):
+    """A global-memory workspace that lives for one call of the kernel function, shared by its T.Kernel blocks
+    (declared outside them): e.g. the partial results a split-K or split-KV kernel combines in a second kernel.
+    Its contents start undefined."""
+    b = current()
+    if b.in_kernel:
+        raise CompileError("T.alloc_global declares a workspace of the whole function: write it before "
+                           "`with T.Kernel(...)`, not inside")
+    shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
+    for d in shape:
+        if not isinstance(E.const_value(d), int) or E.const_value(d) <= 0:
+            raise CompileError(f"T.alloc_global: dimension {d!r} must be a positive compile-time integer")
+    buf = Buffer(b.fresh("global_"), tuple(int(E.const_value(d)) for d in shape), dt.dtype(dtype), "global", b.loc)
+    buf.auto_name = True
+    from tegula.ir.stmt import Alloc
+    b.emit(Alloc(buf))
+    return buf
 
 
 def alloc_var(dtype, init=None, scope="local.var"):
@@ -253,7 +285,11 @@ def cast(x, dtype):
     return E.cast(x, dtype)
 
 
-Cast = cast
+def Cast(dtype, x):  # noqa: N802 (TVM's name and argument order)
+    """``T.Cast(dtype, x)``: TVM's spelling of ``T.cast(x, dtype)`` (either argument order is accepted)."""
+    if not isinstance(dtype, (str, dt.DType)) and isinstance(x, (str, dt.DType)):
+        dtype, x = x, dtype
+    return E.cast(x, dtype)
 
 
 def ceildiv(a, b):
@@ -315,6 +351,23 @@ def make_swizzled_layout(*args, **kwargs):
     return None
 
 
+class Layout:
+    """``T.Layout(shape, forward_fn)``: a buffer layout for ``T.annotate_layout``. Only SIMT targets may act on
+    one; the layout never changes what a program computes (every access goes through it), so tegula keeps
+    buffers row-major and records the layout for inspection."""
+
+    def __init__(self, shape, forward_fn=None, *args, **kwargs):
+        self.shape, self.forward_fn = shape, forward_fn
+
+
+class Fragment(Layout):
+    """``T.Fragment(shape, forward_thread_fn=..., ...)``: a fragment's thread distribution; a layout hint."""
+
+    def __init__(self, shape, forward_fn=None, *args, forward_thread_fn=None, forward_index_fn=None, **kwargs):
+        super().__init__(shape, forward_index_fn or forward_fn)
+        self.forward_thread_fn = forward_thread_fn
+
+
 class GemmWarpPolicy:
     """How SIMT targets split a T.gemm over warps; a performance hint."""
     Square, FullRow, FullCol = "Square", "FullRow", "FullCol"
@@ -328,6 +381,8 @@ def reshape(buffer, shape):
     shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
     if any(not isinstance(E.const_value(d), int) for d in list(shape) + list(buffer.shape)):
         raise CompileError("T.reshape needs constant shapes")
+    if buffer.strides is not None:
+        raise CompileError(f"T.reshape: {buffer.name} is strided; only contiguous tensors can be viewed")
     n_old, n_new = 1, 1
     for d in buffer.shape:
         n_old *= int(E.const_value(d))

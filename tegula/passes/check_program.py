@@ -24,6 +24,8 @@ def _check_outside(s) -> None:
     """On-chip buffers and tile ops exist only inside a kernel."""
     if isinstance(s, S.Kernel):
         return
+    if isinstance(s, S.Alloc) and s.buffer.is_global:
+        return  # T.alloc_global: a workspace of the whole function
     if isinstance(s, (S.Alloc,) + S.TILE_OPS):
         raise CompileError("tile buffers and tile ops must be inside a `with T.Kernel(...)` block", s.loc)
     for c in S.children(s):

@@ -53,3 +53,15 @@ def test_autotune_all_configs_failing_is_a_compile_error(tmp_path, monkeypatch):
     scale, _ = _factory_calls()
     with pytest.raises(tegula.CompileError, match="every configuration failed"):
         scale(7)
+
+
+def test_autotune_is_skipped_when_the_call_fixes_a_tuned_parameter(tmp_path, monkeypatch):
+    # TileLang compiles the given configuration directly, without timing the others
+    monkeypatch.setenv("TEGULA_CACHE_DIR", str(tmp_path))
+    scale, calls = _factory_calls()
+    k = scale(64, block=16)
+    assert calls == [16]
+    a = torch.randn(64)
+    assert torch.equal(k(a), a * 2)
+    scale(64, 8)  # positionally too
+    assert calls == [16, 8]

@@ -105,7 +105,7 @@ def lambda_in_kernel():
     @T.prim_func
     def main(A: T.Tensor((16,), "float32"), B: T.Tensor((16,), "float32")):
         with T.Kernel(1):
-            double = lambda x: x * 2  # error: lambda
+            double = lambda *x: x[0] * 2  # noqa: E731  # error: lambda
             for i in T.Parallel(16):
                 B[i] = double(A[i])
 
