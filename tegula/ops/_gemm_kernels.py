@@ -65,21 +65,20 @@ def mk_gemm(kind: str, N: int, K: int, groups: int, dtype: str, trans_a: bool, t
             sb = T.alloc_fragment((block_n,), "float32")
             rows = T.alloc_fragment((block_m,), "int32")
             top = T.alloc_fragment((1,), "int32")
-            g = T.alloc_var("int32")
             live = T.alloc_var("int32")
             row0 = by * block_m
             col0 = bx * block_n
-            g = 0
             live = 1
             if contiguous:
                 for i in T.Parallel(block_m):
                     rows[i] = T.if_then_else(row0 + i < m, L[T.min(row0 + i, m - 1)], -1)
                 T.reduce_max(rows, top, dim=0)
-                g = top[0]
-                live = T.if_then_else(g >= 0, 1, 0)
+                live = T.if_then_else(top[0] >= 0, 1, 0)
             if masked:
-                g = bz
                 live = T.if_then_else(row0 < L[bz], 1, 0)
+            # the group as a plain value (not a T.alloc_var, whose memory a byte store in the copies below
+            # could alias, forcing a reload per element)
+            g = top[0] if contiguous else (bz if masked else 0)
             if live == 1:
                 if accumulate:
                     T.copy(D[row0, col0], acc)

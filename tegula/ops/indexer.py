@@ -48,10 +48,7 @@ def mk_mqa_logits(H: int, D: int, block_q: int, block_kv: int, compressed: bool)
                 ke[i] = T.if_then_else(row0 + i < s, T.min(KE[T.min(row0 + i, s - 1)], skv), 0)
             T.reduce_min(ks, lo, dim=0)
             T.reduce_max(ke, hi, dim=0)
-            kv0 = T.alloc_var("int32")
-            kv0 = col0
-            if compressed:
-                kv0 = ks[0] + col0
+            kv0 = ks[0] + col0 if compressed else col0
             if kv0 < hi[0] and kv0 + block_kv > lo[0]:
                 T.copy(Q[row0 * H, 0], q_s)
                 T.copy(KV[kv0, 0], kv_s)
