@@ -22,7 +22,13 @@
  * A in panels of at most 64 x KC, a kernel per register block over one panel pair. fp32 operands
  * are read in place where the kernel can (A always, B unless transposed, on AVX-512); the others
  * are packed into the kernel's format (converting, interleaving, 16 x 16 transposes in registers).
- * Without VNNI, int8 products are exact in fp32 and a chunk of K <= 128 sums below 2^24.
+ * Without VNNI, int8 products are exact in fp32 and a chunk of K <= 128 sums below 2^24. fp16 is
+ * converted to fp32 (vcvtph2ps) on every x86 path: AVX512-FP16 has no fp16 product summed in fp32.
+ *
+ *   tg_gemm_<dt>_next(..., clear, tg_gemm_next a_next, tg_gemm_next b_next)
+ *
+ * is the same product, and meanwhile prefetches two tiles the caller reads next (a pipelined loop's
+ * next copies), a few cache lines between register blocks; a tile with p == NULL is skipped.
  */
 #ifndef TEGULA_GEMM_H
 #define TEGULA_GEMM_H
