@@ -30,6 +30,8 @@ NSUB = CHUNK // SUB
 SAMPLE = CHUNK            # keys sampled for a first threshold
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
 CAP = KMAX + B2MAX + CHUNK
+PAD = CHUNK + 256         # ck, ci, und are CAP + PAD long: room for a last whole chunk, and 3 KiB apart modulo
+                          # 4 KiB from each other and from tk/ti, so stores do not falsely alias loads (4K aliasing)
 HBINS = 2048
 INT_MIN = -(1 << 31)
 INT_MAX = (1 << 31) - 1
@@ -57,20 +59,21 @@ def _codec(bits):
     return key, raw, (lambda k: T.reinterpret(k + 32768, "uint32")), (lambda u: T.reinterpret(u, "int32") - 32768)
 
 
-def _state():
+def _state(raw):
     """The per-block buffers (``_init`` them); st = (candidate count, threshold, largest and smallest candidate
     key)."""
     b = SimpleNamespace(
-        ck=T.alloc_shared((CAP,), "int32"),         # candidate keys
-        ci=T.alloc_shared((CAP,), "int32"),         # candidate indices
-        und=T.alloc_shared((CAP,), "uint32"),       # select: the keys still undecided
+        ck=T.alloc_shared((CAP + PAD,), "int32"),   # candidate keys
+        ci=T.alloc_shared((CAP + PAD,), "int32"),   # candidate indices
+        und=T.alloc_shared((CAP + PAD,), "uint32"),  # select: the keys still undecided
         tk=T.alloc_shared((KMAX + 1,), "int32"),    # select's output and sort's other half (+1: the
         ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
         hist=T.alloc_shared((2 * HBINS,), "int32"),
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
         fb=T.alloc_fragment((NSUB, SUB), "uint32"),
         masks=T.alloc_fragment((NSUB,), "uint32"),
-        mg=T.alloc_fragment((CHUNK,), "int32"),     # the largest magnitude seen per lane (NaN check)
+        lmax=T.alloc_fragment((CHUNK,), "int32"),   # the largest key per lane of a chunk
+        mg=T.alloc_fragment((CHUNK,), raw),         # the largest raw magnitude per lane (NaN check)
         ext=T.alloc_fragment((2,), "int32"),
         st=T.alloc_local((4,), "int32"))
     return b
@@ -93,6 +96,13 @@ def _reset(b):
 
 def _macros(bits):
     key_of, raw_of, ukey, key_of_u = _codec(bits)
+    low = _LOW[bits]
+    LANES = 512 // bits                       # one 512-bit vector of raw values
+    _ROWS_AFTER_FIRST = tuple(range(1, CHUNK // LANES))   # a tuple: the loop is unrolled
+
+    def key_raw(v):
+        """The key in the raw values' own width (int16 or int32)."""
+        return v ^ ((v >> (bits - 1)) & low)
 
     @T.macro
     def select(b, k):
@@ -159,14 +169,25 @@ def _macros(bits):
                 span = (T.cast(1, "uint32") << shift) - 1
                 shift = T.cast(T.max(21 - T.cast(T.clz(span), "int32"), 0), "uint32")
         kth = key_of_u(base)
+        # keep the keys above kth and the first `need` equal to it, into tk/ti: masks of the keys >= kth,
+        # walked with T.clz as in the scan (the work follows the kept keys, not the candidates)
         w = T.cast(0, "int32")
-        for i in T.serial(cnt):   # into tk/ti: compacting in place would make each load wait for the stores
-            kv = b.ck[i]
-            eq = T.cast((kv == kth) & (need > 0), "int32")
-            b.tk[w] = kv
-            b.ti[w] = b.ci[i]
-            w = w + (T.cast(kv > kth, "int32") | eq)
-            need = need - eq
+        for c in T.serial((cnt + CHUNK - 1) // CHUNK):
+            for s, j in T.Parallel(NSUB, SUB):
+                p = c * CHUNK + s * SUB + j
+                b.fb[s, j] = T.cast((b.ck[p] >= kth) & (p < cnt), "uint32") << T.cast(j, "uint32")
+            T.reduce_sum(b.fb, b.masks, dim=1)
+            for s in T.serial(NSUB):
+                m = b.masks[s]
+                while m != 0:
+                    p = c * CHUNK + s * SUB + 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                    m = m & (m - 1)
+                    kv = b.ck[p]
+                    if kv > kth or need > 0:
+                        need = need - T.cast(kv == kth, "int32")
+                        b.tk[w] = kv
+                        b.ti[w] = b.ci[p]
+                        w = w + 1
         for i in T.Parallel(w):
             b.ck[i] = b.tk[i]
             b.ci[i] = b.ti[i]
@@ -183,33 +204,49 @@ def _macros(bits):
         for c in T.serial(nfull):
             base = lo + c * CHUNK
             thr = b.st[1]
-            for s, j in T.Parallel(NSUB, SUB):
-                kv = key_of(src[row, base + s * SUB + j]) if raw_src else src[row, base + s * SUB + j]
-                b.kk[s * SUB + j] = kv
-                b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
+            # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
+            for lane in T.Parallel(LANES):
+                v = src[row, base + lane]
+                top_key = key_raw(v) if raw_src else v
                 if raw_src:
-                    b.mg[s * SUB + j] = T.max(b.mg[s * SUB + j], kv ^ (kv >> 31))
-            T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
-            cnt = b.st[0]
-            top = b.st[2]
-            bot = b.st[3]
-            for s in T.serial(NSUB):
-                m = b.masks[s]
-                while m != 0:
-                    # the lowest set bit (so keys stay in order); only m & (m - 1) is on the loop's critical path
-                    j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                    m = m & (m - 1)
-                    kv = b.kk[s * SUB + j]
-                    b.ck[cnt] = kv
-                    b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
-                    cnt = cnt + 1
-                    top = T.max(top, kv)
-                    bot = T.min(bot, kv)
-            b.st[0] = cnt
-            b.st[2] = top
-            b.st[3] = bot
-            if cnt >= k + b2:
-                select(b, k)
+                    mag = T.max(b.mg[lane], v & low)
+                for j in _ROWS_AFTER_FIRST:
+                    v = src[row, base + j * LANES + lane]
+                    top_key = T.max(top_key, key_raw(v) if raw_src else v)
+                    if raw_src:
+                        mag = T.max(mag, v & low)
+                b.lmax[lane] = T.cast(top_key, "int32")
+                if raw_src:
+                    b.mg[lane] = mag
+            T.reduce_max(b.lmax, b.ext[0:1], dim=0)
+            if b.ext[0] > thr:
+                # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits
+                # T.clz walks
+                for s, j in T.Parallel(NSUB, SUB):
+                    kv = key_of(src[row, base + s * SUB + j]) if raw_src else src[row, base + s * SUB + j]
+                    b.kk[s * SUB + j] = kv
+                    b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
+                T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
+                cnt = b.st[0]
+                top = b.st[2]
+                bot = b.st[3]
+                for s in T.serial(NSUB):
+                    m = b.masks[s]
+                    while m != 0:
+                        # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
+                        j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                        m = m & (m - 1)
+                        kv = b.kk[s * SUB + j]
+                        b.ck[cnt] = kv
+                        b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
+                        cnt = cnt + 1
+                        top = T.max(top, kv)
+                        bot = T.min(bot, kv)
+                b.st[0] = cnt
+                b.st[2] = top
+                b.st[3] = bot
+                if cnt >= k + b2:
+                    select(b, k)
         tail = lo + nfull * CHUNK
         thr = b.st[1]
         cnt = b.st[0]
@@ -218,7 +255,7 @@ def _macros(bits):
         for j in T.serial(hi - tail):
             kv = key_of(src[row, tail + j]) if raw_src else src[row, tail + j]
             if raw_src:
-                b.mg[0] = T.max(b.mg[0], kv ^ (kv >> 31))
+                b.mg[0] = T.max(b.mg[0], src[row, tail + j] & low)
             if kv > thr:
                 b.ck[cnt] = kv
                 b.ci[cnt] = tail + j if raw_src else src_idx[row, tail + j]
@@ -313,6 +350,7 @@ def _macros(bits):
 
     @T.macro
     def flag_nan(b, r, Idx, Flag, inf_mag, idx_dtype):
+        """Mark row r when the largest raw magnitude seen is above +inf's: a NaN."""
         T.reduce_max(b.mg, b.ext[0:1], dim=0)
         if b.ext[0] > inf_mag:
             Idx[r, 0] = T.cast(NAN_FLAG, idx_dtype)
@@ -335,7 +373,7 @@ def rows_kernel(bits, idx_dtype):
                   Flag: T.Tensor((2,), "int32"), by_value: T.int32, b2: T.int32, idx_fill: T.int32,
                   val_fill: T.int32, inf_mag: T.int32):
         with T.Kernel(batch, threads=1) as r:
-            b = _state()
+            b = _state(raw)
             _init(b)
             length = T.min(T.max(End[r], 0), n)
             if length != End[r]:
@@ -367,7 +405,7 @@ def parts_kernel(bits):
                    WK: T.Tensor((batch, wlen), "int32"), WI: T.Tensor((batch, wlen), "int32"),
                    WM: T.Tensor((batch, nseg), "int32"), k: T.int32, seg_len: T.int32, b2: T.int32):
         with T.Kernel(nseg, batch, threads=1) as (s, r):
-            b = _state()
+            b = _state(raw)
             _init(b)
             length = T.min(T.max(End[r], 0), n)
             lo = T.min(s * seg_len, length)
@@ -396,7 +434,7 @@ def merge_kernel(bits, idx_dtype):
                    Idx: T.Tensor((batch, k), idx_dtype), Flag: T.Tensor((2,), "int32"), n: T.int32,
                    by_value: T.int32, b2: T.int32, idx_fill: T.int32, val_fill: T.int32, inf_mag: T.int32):
         with T.Kernel(batch, threads=1) as r:
-            b = _state()
+            b = _state(raw)
             _init(b)
             length = T.min(T.max(End[r], 0), n)
             if length != End[r]:
@@ -405,10 +443,12 @@ def merge_kernel(bits, idx_dtype):
             if b.st[0] > k:
                 M.select(b, k)
             M.emit(b, r, k, by_value, Off[r], Vals, Idx, idx_fill, val_fill, idx_dtype)
+            big = T.cast(0, "int32")
             for s in T.serial(nseg):
-                b.mg[s % CHUNK] = T.max(b.mg[s % CHUNK], WM[r, s])
-            if length > k:
-                M.flag_nan(b, r, Idx, Flag, inf_mag, idx_dtype)
+                big = T.max(big, WM[r, s])
+            if length > k and big > inf_mag:
+                Idx[r, 0] = T.cast(NAN_FLAG, idx_dtype)
+                T.atomic_max(Flag[0], 1)
 
     return topk_merge
 
