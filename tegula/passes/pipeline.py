@@ -1,11 +1,12 @@
 """The pass order of each target family."""
 from __future__ import annotations
 
-from tegula.passes import check_program, distribute_threads, infer_layouts, insert_barriers, lower_tile_ops
+from tegula.passes import (check_program, distribute_threads, infer_layouts, insert_barriers, lower_tile_ops,
+                           prefetch_pipelined)
 
 PIPELINES = {
     "interp": [check_program.run],
-    "cpu": [check_program.run, lower_tile_ops.run],
+    "cpu": [check_program.run, prefetch_pipelined.run, lower_tile_ops.run],
     "simt": [check_program.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run, insert_barriers.run],
 }
 
