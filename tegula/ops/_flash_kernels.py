@@ -17,7 +17,7 @@ import tegula.language as T
 LOG2E = math.log2(math.e)
 
 
-def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64):
+def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_stages=2):
     """Q (total_q, h_q, d), K (total_k, h_kv, d), V (total_k, h_kv, dv), CuQ / CuK (batch + 1,) int32 -> Out
     (total_q, h_q, dv) in ``dtype``, Lse (h_q, total_q) float32 (natural log; +inf for a row without keys).
     Grid (m_tiles, h_q, batch); ``m_tiles`` = ceil(max_seqlen_q / block_m), ``scale`` the softmax scale."""
@@ -74,7 +74,7 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64):
                 shift = lk - lq                 # causal: query row i sees keys j <= i + shift
                 n_end = T.min(lk, m0 + BM + shift) if causal else lk
                 n_full = (T.min(lk, m0 + shift + 1) if causal else lk) // BN   # tiles that need no mask
-                for k in T.serial(T.ceildiv(T.max(n_end, 0), BN)):
+                for k in T.Pipelined(T.ceildiv(T.max(n_end, 0), BN), num_stages=num_stages):
                     n0 = k * BN
                     if k < n_full:
                         load_kv(K, V, K_s, V_s, k0, n0, lk, kvh, True)

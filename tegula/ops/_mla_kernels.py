@@ -28,13 +28,15 @@ FP8_NOPE, FP8_TILE, FP8_ROPE = 512, 128, 64
 FP8_BYTES = FP8_NOPE + 4 * (FP8_NOPE // FP8_TILE) + 2 * FP8_ROPE   # 656 bytes per token
 
 
-def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, has_sink, with_max, block_n=64):
+def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, has_sink, with_max, page_copy,
+               block_n=64, num_stages=2):
     """Split-KV MLA attention over one schedule item per block; see the module docstring.
 
     Compile-time: ``rb`` rows per block (``nrb`` row blocks cover the group's sq * hpk rows), ``sq`` query tokens
     per group and ``hpk`` query heads per kv head, ``h_kv`` kv heads, ``d`` / ``dv`` head dims, ``ps`` tokens per
     page, ``sparse`` (keys named by Tab[group, t] instead of pages Tab[batch, t // ps]), ``causal`` (bottom-right),
-    ``fp8`` cache, ``dtype`` of q / the key tile, ``has_sink``, ``with_max`` (write the row maxima: prefill).
+    ``fp8`` cache, ``dtype`` of q / the key tile, ``has_sink``, ``with_max`` (write the row maxima: prefill),
+    ``page_copy`` (dense, ps == block_n, a page's rows of one kv head contiguous: a tile is one copy of a page).
     Runtime: Q (groups, sq, h_kv, hpk, d); the cache as flat views KVa (+ KVs, KVr for fp8); Tab (rows, cols) int32;
     Lens (groups,) valid keys per group; Sched (items, 4) int32 = (group, start, end, slot); Sink (h_q or 1,);
     outputs Out (groups, sq, h_kv, hpk, dv), Lse (groups, h_kv, hpk, sq), MaxL (groups or 0, h_kv, hpk, sq),
@@ -52,24 +54,57 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
     neg_inf = -T.infinity("float32")
 
     @T.macro
-    def gather_keys(KVa, KVs, KVr, off, valid, K_s):
-        # One key row per tile row; a row that is not valid is zero (the cache may hold NaN there).
-        for i in T.serial(BN):
-            if valid[i] != 0:
-                if fp8:
+    def row_offset(Tab, g, hk, t, sb, rs, hs, n_tok):
+        """The cache offset of key t of group g, and whether it names a cache row."""
+        if sparse:
+            idx = Tab[g, t]
+            return (T.cast(idx // ps, "int64") * sb + T.cast(idx % ps, "int64") * rs + hk * hs,
+                    idx >= 0 and idx < n_tok)
+        return T.cast(Tab[g, t // ps], "int64") * sb + T.cast(t % ps, "int64") * rs + hk * hs, True
+
+    @T.macro
+    def gather_keys(KVa, KVs, KVr, Tab, g, hk, start, k, end, valid, off, K_s, K_flat, Raw, sb, rs, hs, n_tok):
+        """Key tile k of the item into K_s (dequantised for fp8); rows that are not valid are zero (the cache may
+        hold NaN there). Each T.copy's start is an expression of k, so T.Pipelined prefetches the next tile."""
+        t0 = start + k * BN
+        if page_copy:   # the tile is one whole page of contiguous rows
+            pbase = T.cast(Tab[g, start // ps + k], "int64") * sb + hk * hs
+            if fp8:
+                T.copy(KVa[pbase:pbase + BN * FP8_BYTES], Raw)
+            else:
+                T.copy(KVa[pbase:pbase + BN * d], K_flat)
+            for i in T.Parallel(BN):
+                valid[i] = T.if_then_else(t0 + i < end, 1, 0)
+                off[i] = pbase + i * FP8_BYTES
+            if t0 + BN > end:
+                for i in T.serial(BN):
+                    if valid[i] == 0:
+                        for j in T.Parallel(d):
+                            K_s[i, j] = T.cast(0, dtype)
+        else:
+            for i in T.serial(BN):
+                t = T.min(t0 + i, end - 1)
+                o, ok = row_offset(Tab, g, hk, t, sb, rs, hs, n_tok)
+                valid[i] = T.if_then_else(t0 + i < end and ok, 1, 0)
+                off[i] = o
+                if valid[i] != 0:
+                    if fp8:
+                        T.copy(KVa[o:o + FP8_BYTES], Raw[i * FP8_BYTES:(i + 1) * FP8_BYTES])
+                    else:
+                        T.copy(KVa[o:o + d], K_s[i, :])
+                else:
+                    for j in T.Parallel(d):
+                        K_s[i, j] = T.cast(0, dtype)
+        if fp8:
+            for i in T.serial(BN):
+                if valid[i] != 0:
                     for c in range(FP8_NOPE // FP8_TILE):
                         sc = KVs[off[i] // 4 + FP8_NOPE // 4 + c]
                         for j in T.Parallel(FP8_TILE):
-                            K_s[i, c * FP8_TILE + j] = T.cast(T.cast(KVa[off[i] + c * FP8_TILE + j], "float32") * sc,
-                                                              dtype)
+                            K_s[i, c * FP8_TILE + j] = T.cast(
+                                T.cast(Raw[i * FP8_BYTES + c * FP8_TILE + j], "float32") * sc, dtype)
                     for j in T.Parallel(FP8_ROPE):
                         K_s[i, FP8_NOPE + j] = KVr[off[i] // 2 + (FP8_NOPE + 4 * FP8_NOPE // FP8_TILE) // 2 + j]
-                else:
-                    for j in T.Parallel(d):
-                        K_s[i, j] = KVa[off[i] + j]
-            else:
-                for j in T.Parallel(d):
-                    K_s[i, j] = T.cast(0, dtype)
 
     @T.prim_func
     def main(
@@ -105,6 +140,10 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
             l_sum = T.alloc_fragment((rb,), "float32")
             p_sum = T.alloc_fragment((rb,), "float32")
             off = T.alloc_fragment((BN,), "int64")
+            K_flat = T.reshape(K_s, (BN * d,))
+            Raw = T.alloc_shared((BN * FP8_BYTES if fp8 else 1,), kv_dtype)
+            grew = T.alloc_fragment((rb,), "float32")
+            any_grew = T.alloc_fragment((1,), "float32")
             valid = T.alloc_fragment((BN,), "int32")
             lim = T.alloc_fragment((rb,), "int32")  # causal: the last key each row may see (bottom-right aligned)
 
@@ -124,20 +163,9 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
             T.fill(l_sum, 0)
             T.fill(m, neg_inf)
 
-            for k in T.serial(T.ceildiv(end - start, BN)):
+            for k in T.Pipelined(T.ceildiv(end - start, BN), num_stages=num_stages):
                 t0 = start + k * BN
-                for i in T.Parallel(BN):
-                    t = T.min(t0 + i, end - 1)   # rows past the end read the last key (a safe address), then zero
-                    if sparse:
-                        idx = Tab[g, t]
-                        ok = (t0 + i < end) and idx >= 0 and idx < n_tok
-                        tok = T.if_then_else(ok, idx, 0)
-                        valid[i] = T.if_then_else(ok, 1, 0)
-                        off[i] = T.cast(tok // ps, "int64") * sb + T.cast(tok % ps, "int64") * rs + hk * hs
-                    else:
-                        valid[i] = T.if_then_else(t0 + i < end, 1, 0)
-                        off[i] = (T.cast(Tab[g, t // ps], "int64") * sb + T.cast(t % ps, "int64") * rs + hk * hs)
-                gather_keys(KVa, KVs, KVr, off, valid, K_s)
+                gather_keys(KVa, KVs, KVr, Tab, g, hk, start, k, end, valid, off, K_s, K_flat, Raw, sb, rs, hs, n_tok)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True)
                 if causal:
                     for r, i in T.Parallel(rb, BN):
@@ -150,6 +178,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
                     m_new = T.max(m[r], m_cur[r])
                     ms[r] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
                     alpha[r] = T.exp2(m[r] * sl2 - ms[r])
+                    grew[r] = T.if_then_else(m_new > m[r], 1.0, 0.0)
                     m[r] = m_new
                 for r, i in T.Parallel(rb, BN):
                     S[r, i] = T.exp2(S[r, i] * sl2 - ms[r])
@@ -157,8 +186,10 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
                 for r in T.Parallel(rb):
                     l_sum[r] = l_sum[r] * alpha[r] + p_sum[r]
                 T.copy(S, P_s)
-                for r, j in T.Parallel(rb, dv):
-                    acc[r, j] *= alpha[r]
+                T.reduce_max(grew, any_grew, dim=0)
+                if any_grew[0] > 0.0:   # the output rescales only when some row's maximum grew
+                    for r, j in T.Parallel(rb, dv):
+                        acc[r, j] *= alpha[r]
                 T.gemm(P_s, K_s[:, 0:dv], acc)
 
             if slot < 0:
