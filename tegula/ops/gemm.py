@@ -503,7 +503,7 @@ def _m_grouped_masked(a, b, d, masked_m, expected_m, fp8, recipe=None, recipe_a=
     for name, x in (("a", a), ("b", b)):
         if not x.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous (K-major) tensor")
-    bm = _block_m(min(expected_m, m))
+    bm = min(64, _block_m(min(expected_m, m)))  # counts vary around expected_m: smaller blocks waste fewer rows
     if fp8:
         kern = _kernel(K_.mk_gemm, "masked", n, k, groups, "float8_e4m3fn", False, True, "bfloat16", False,
                        _dt(sfa.dtype), sfa.shape[-1], sfb.shape[-2], sfb.shape[-1], bm, 128, _chunk_k(k, bm, True))

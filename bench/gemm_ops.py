@@ -1,0 +1,299 @@
+"""tegula.ops.gemm (DeepGEMM's API in T.*) against torch's bf16 matmul and the machine's memory bandwidth.
+
+    python -m bench.gemm_ops [--reps 7] [--quick] [--no-bandwidth]
+
+Rows, all measured side by side in this process (each repeat times every contender of a row in turn, so load
+from elsewhere on the machine falls on all of them alike; ratios are medians of the per-repeat ratios, with
+the spread (max - min) / median of each contender's samples):
+
+- decode (M <= 64): fp8_gemm_nt on float8 weights [N, K] with 128 x 128 block scales, torch.matmul on the
+  same weights in bf16, and tegula's bf16_gemm_nt. Weights rotate over enough copies that each call reads
+  them from DRAM (>= --ws MiB per contender, far beyond the last-level cache). GB/s counts every byte read
+  or written (weights, activations, scales, output); "of BW" divides by the plain-copy bandwidth measured
+  at the start of the run (read + write bytes / s over 1 GiB, all cores).
+- compute-bound (M = 4096): fp8_gemm_nt against tegula's bf16_gemm_nt, and bf16_gemm_nt against torch.
+- grouped: m_grouped_fp8_gemm_nt_contiguous over G experts (uneven counts, padded to the alignment) against
+  fp8_gemm_nt of the same total M on one weight; the masked form; k_grouped_fp8_gemm_tn_contiguous.
+- indexer: fp8_mqa_logits and fp8_paged_mqa_logits against a torch implementation of the same formula.
+
+Outputs are preallocated once and reused; torch writes with out=.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from bench.common import measure_bandwidth, print_table
+from tegula.ops import gemm as dg
+
+FP8 = torch.float8_e4m3fn
+DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 2048), (4096, 7168)]
+DECODE_M = [1, 4, 16, 64]
+COMPUTE_NK = [(2112, 7168), (7168, 2048)]
+
+
+# timing -----------------------------------------------------------------------------------------------------
+
+def _sampler(fn, min_s):
+    """A callable returning seconds per call of fn, batched so that one sample lasts >= min_s."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    inner = max(1, int(min_s / max(time.perf_counter() - t0, 1e-9)))
+
+    def sample():
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t) / inner
+    return sample
+
+
+def side_by_side(fns: dict, reps: int, min_s: float = 0.02) -> dict:
+    """{name: list of seconds per call}, one sample of every fn per repeat, interleaved."""
+    samplers = {k: _sampler(f, min_s) for k, f in fns.items()}
+    out = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, s in samplers.items():
+            out[k].append(s())
+    return out
+
+
+def med(x):
+    return statistics.median(x)
+
+
+def spread(x):
+    return (max(x) - min(x)) / med(x)
+
+
+def ratio(num, den):
+    """Median over repeats of num[i] / den[i]: how many times faster den is than num."""
+    return med([a / b for a, b in zip(num, den)])
+
+
+def rotating(make, count):
+    """A callable cycling over ``count`` argument sets made by make(i)."""
+    sets = [make(i) for i in range(count)]
+    state = [0]
+
+    def nxt():
+        state[0] = (state[0] + 1) % count
+        return sets[state[0]]
+    return nxt
+
+
+def fp8_weight(n, k):
+    b = torch.randn(n, k, dtype=torch.bfloat16)
+    return dg.per_block_cast_to_fp8(b, use_ue8m0=False)
+
+
+# rows ------------------------------------------------------------------------------------------------------
+
+def decode_rows(args, bw):
+    rows = []
+    for n, k in DECODE_NK[:2] if args.quick else DECODE_NK:
+        copies = max(2, -(-args.ws * 2**20 // (n * k)))
+        base = fp8_weight(n, k)
+        # distinct memory per copy (the values may repeat: only where the bytes come from matters)
+        w8 = rotating(lambda i: (base[0].clone(), base[1].clone()), copies)
+        wb_base = torch.randn(n, k, dtype=torch.bfloat16)
+        w16 = rotating(lambda i: wb_base.clone(), max(2, copies // 2))
+        for m in DECODE_M[:2] if args.quick else DECODE_M:
+            a = torch.randn(m, k, dtype=torch.bfloat16)
+            qa = dg.per_token_cast_to_fp8(a, use_ue8m0=False)
+            d, d2, d3 = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(3))
+            t = side_by_side({
+                "fp8": lambda: dg.fp8_gemm_nt(qa, w8(), d),
+                "torch": lambda: torch.matmul(a, w16().T, out=d2),
+                "bf16": lambda: dg.bf16_gemm_nt(a, w16(), d3),
+            }, args.reps)
+            moved = n * k + m * k + 4 * (m * (k // 128) + (n // 128) * (k // 128)) + 2 * m * n
+            gbs = moved / med(t["fp8"]) / 1e9
+            rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, gbs / bw,
+                         med(t["torch"]) * 1e3, f"{spread(t['torch']):.0%}", ratio(t["torch"], t["fp8"]),
+                         med(t["bf16"]) * 1e3, ratio(t["torch"], t["bf16"])])
+            print(f"  decode {m}x{n}x{k} done", flush=True)
+    print_table("decode: fp8_gemm_nt vs torch bf16 matmul (weights from DRAM)",
+                ["MxNxK", "fp8 ms", "spread", "GB/s", "of BW", "torch ms", "spread", "fp8 x torch",
+                 "tg bf16 ms", "bf16 x torch"], rows)
+
+
+def compute_rows(args):
+    rows = []
+    m = 1024 if args.quick else 4096
+    for n, k in COMPUTE_NK[:1] if args.quick else COMPUTE_NK:
+        a = torch.randn(m, k, dtype=torch.bfloat16)
+        b = torch.randn(n, k, dtype=torch.bfloat16)
+        qa, qb = dg.per_token_cast_to_fp8(a, use_ue8m0=False), dg.per_block_cast_to_fp8(b, use_ue8m0=False)
+        d, d2, d3 = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(3))
+        t = side_by_side({
+            "fp8": lambda: dg.fp8_gemm_nt(qa, qb, d),
+            "bf16": lambda: dg.bf16_gemm_nt(a, b, d2),
+            "torch": lambda: torch.matmul(a, b.T, out=d3),
+        }, max(3, args.reps // 2), min_s=0.0)
+        tf = 2 * m * n * k / 1e12
+        rows.append([f"{m}x{n}x{k}", tf / med(t["fp8"]), f"{spread(t['fp8']):.0%}", tf / med(t["bf16"]),
+                     f"{spread(t['bf16']):.0%}", tf / med(t["torch"]), f"{spread(t['torch']):.0%}",
+                     ratio(t["bf16"], t["fp8"]), ratio(t["torch"], t["bf16"])])
+        print(f"  compute {m}x{n}x{k} done", flush=True)
+    print_table("compute-bound: TFLOP/s", ["MxNxK", "fp8", "spread", "tg bf16", "spread", "torch bf16", "spread",
+                                          "fp8 x tg bf16", "tg bf16 x torch"], rows)
+
+
+def grouped_rows(args):
+    rows = []
+    random.seed(0)
+    al = dg.get_mk_alignment_for_contiguous_layout()
+    n, k = (2048, 2048) if args.quick else (4096, 2048)
+    for groups in (4, 8):
+        per = (1024 if args.quick else 4096) // groups
+        ms = [max(1, int(per * random.uniform(0.7, 1.3))) for _ in range(groups)]
+        starts, m = [], 0
+        for x in ms:
+            starts.append(m)
+            m += dg.align(x, al)
+        qa = dg.per_token_cast_to_fp8(torch.randn(m, k, dtype=torch.bfloat16), use_ue8m0=False)
+        ws = [fp8_weight(n, k) for _ in range(groups)]
+        qb = (torch.stack([w[0] for w in ws]), torch.stack([w[1] for w in ws]))
+        mi = torch.full((m,), -1, dtype=torch.int32)
+        for g, (s, x) in enumerate(zip(starts, ms)):
+            mi[s:s + x] = g
+        d, d2 = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+        dense_b = (qb[0][0], qb[1][0])
+        t = side_by_side({
+            "grouped": lambda: dg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, d, mi),
+            "dense": lambda: dg.fp8_gemm_nt(qa, dense_b, d2),
+        }, max(3, args.reps // 2), min_s=0.0)
+        tf = 2 * m * n * k / 1e12
+        rows.append([f"contiguous G={groups} M={m} N={n} K={k}", tf / med(t["grouped"]), f"{spread(t['grouped']):.0%}",
+                     tf / med(t["dense"]), ratio(t["dense"], t["grouped"])])
+        print(f"  grouped G={groups} done", flush=True)
+    # masked: per-expert capacity, counts around expected_m
+    groups, max_m, exp_m = 8, 256, 128
+    qa = (torch.randint(-100, 100, (groups, max_m, k), dtype=torch.int8).view(FP8), torch.rand(groups, max_m, k // 128))
+    ws = [fp8_weight(n, k) for _ in range(groups)]
+    qb = (torch.stack([w[0] for w in ws]), torch.stack([w[1] for w in ws]))
+    masked = torch.tensor([int(exp_m * random.uniform(0.7, 1.3)) for _ in range(groups)], dtype=torch.int32)
+    d = torch.empty(groups, max_m, n, dtype=torch.bfloat16)
+    valid = int(masked.sum())
+    qd = (qa[0][0, :1].expand(valid, k).contiguous(), qa[1][0, :1].expand(valid, k // 128).contiguous())
+    d2 = torch.empty(valid, n, dtype=torch.bfloat16)
+    t = side_by_side({
+        "masked": lambda: dg.m_grouped_fp8_gemm_nt_masked(qa, qb, d, masked, exp_m),
+        "dense": lambda: dg.fp8_gemm_nt(qd, (qb[0][0], qb[1][0]), d2),
+    }, max(3, args.reps // 2), min_s=0.0)
+    tf = 2 * valid * n * k / 1e12
+    rows.append([f"masked G={groups} rows={valid} N={n} K={k}", tf / med(t["masked"]), f"{spread(t['masked']):.0%}",
+                 tf / med(t["dense"]), ratio(t["dense"], t["masked"])])
+    print_table("grouped: TFLOP/s against a dense fp8 GEMM of the same total M",
+                ["case", "grouped", "spread", "dense", "grouped x dense"], rows)
+
+
+def k_grouped_rows(args):
+    groups, m, n = 4, 1024, 1024
+    ks = [dg.align(int(1024 * random.uniform(0.7, 1.3)), 128) for _ in range(groups)]
+    total = sum(ks)
+    a = torch.randn(total, m, dtype=torch.bfloat16)
+    b = torch.randn(total, n, dtype=torch.bfloat16)
+
+    def cast(x):
+        parts = [dg.per_channel_cast_to_fp8(x[s:s + kk], use_ue8m0=False)
+                 for s, kk in zip([sum(ks[:i]) for i in range(groups)], ks)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    qa, qb = cast(a), cast(b)
+    d = torch.zeros(groups, m, n)
+    lay = torch.tensor(ks, dtype=torch.int32)
+    t = side_by_side({"k_grouped": lambda: dg.k_grouped_fp8_gemm_tn_contiguous(qa, qb, d, ks, lay, d)},
+                     max(3, args.reps // 2), min_s=0.0)
+    tf = 2 * m * n * total / 1e12
+    print_table("k-grouped (weight gradient): TFLOP/s", ["case", "TFLOP/s", "spread"],
+                [[f"G={groups} M={m} N={n} sum_k={total}", tf / med(t["k_grouped"]), f"{spread(t['k_grouped']):.0%}"]])
+
+
+def indexer_rows(args):
+    rows = []
+    s, skv, h, dim = (512, 4096, 32, 128) if not args.quick else (256, 2048, 32, 128)
+    q = torch.randn(s, h, dim, dtype=torch.bfloat16).to(FP8)
+    kv = dg.per_custom_dims_cast_to_fp8(torch.randn(skv, dim, dtype=torch.bfloat16), (0,), False)
+    w = torch.randn(s, h)
+    ks = torch.zeros(s, dtype=torch.int32)
+    ke = torch.arange(s, dtype=torch.int32) + (skv - s) + 1
+
+    def torch_mqa():
+        score = torch.einsum("mhd,nd->mhn", q.float(), kv[0].float())
+        lg = (score.relu() * w[:, :, None]).sum(1) * kv[1][None]
+        cols = torch.arange(skv)
+        return lg.masked_fill(~((cols[None] >= ks[:, None]) & (cols[None] < ke[:, None])), float("-inf"))
+    t = side_by_side({"tegula": lambda: dg.fp8_mqa_logits(q, kv, w, ks, ke), "torch": torch_mqa},
+                     max(3, args.reps // 2), min_s=0.0)
+    rows.append([f"fp8_mqa_logits S={s} S_kv={skv} H={h} D={dim}", med(t["tegula"]) * 1e3, f"{spread(t['tegula']):.0%}",
+                 med(t["torch"]) * 1e3, ratio(t["torch"], t["tegula"])])
+
+    bsz, next_n, page, avg = 32, 2, 64, 4096
+    cl = torch.randint(int(0.7 * avg), int(1.3 * avg), (bsz,), dtype=torch.int32)
+    pages = (cl + page - 1) // page
+    maxlen = int(pages.max()) * page
+    total = int(pages.sum())
+    cache = torch.randint(0, 255, (total, page * (dim + 4)), dtype=torch.uint8)
+    cache[:, page * dim:] = torch.rand(total, page).view(torch.uint8).view(total, -1)
+    cache = cache.view(total, page, 1, dim + 4)
+    bt = torch.zeros(bsz, int(pages.max()), dtype=torch.int32)
+    perm = torch.randperm(total, dtype=torch.int32)
+    off = 0
+    for i, p in enumerate(pages.tolist()):
+        bt[i, :p] = perm[off:off + p]
+        off += p
+    qp = torch.randn(bsz, next_n, h, dim, dtype=torch.bfloat16).to(FP8)
+    wp = torch.randn(bsz * next_n, h)
+    cl2 = cl.view(-1, 1).repeat(1, next_n).contiguous()
+    meta = dg.get_paged_mqa_logits_metadata(cl2, page, dg.get_num_sms())
+    vals = cache.view(total, -1)[:, :page * dim].contiguous().view(FP8).view(total, page, dim)
+    sfs = cache.view(total, -1)[:, page * dim:].contiguous().view(torch.float32)
+
+    def torch_paged():
+        out = torch.full((bsz * next_n, maxlen), float("-inf"))
+        for i in range(bsz):
+            kvb = vals[bt[i, :pages[i]].long()].reshape(-1, dim).float()
+            sf = sfs[bt[i, :pages[i]].long()].reshape(-1)
+            sc = torch.einsum("nhd,td->nht", qp[i].float(), kvb)
+            lg = (sc.relu() * wp[i * next_n:(i + 1) * next_n, :, None]).sum(1) * sf
+            n_ = int(cl[i])
+            out[i * next_n:(i + 1) * next_n, :n_] = lg[:, :n_]
+        return out
+    t = side_by_side({"tegula": lambda: dg.fp8_paged_mqa_logits(qp, cache, wp, cl2, bt, meta, maxlen),
+                      "torch": torch_paged}, max(3, args.reps // 2), min_s=0.0)
+    rows.append([f"fp8_paged_mqa_logits B={bsz} next_n={next_n} H={h} D={dim} ctx~{avg}", med(t["tegula"]) * 1e3,
+                 f"{spread(t['tegula']):.0%}", med(t["torch"]) * 1e3, ratio(t["torch"], t["tegula"])])
+    print_table("indexer (ms)", ["case", "tegula", "spread", "torch", "tegula x torch"], rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=7, help="interleaved repeats per row (default 7)")
+    p.add_argument("--ws", type=int, default=256, help="MiB of weights each decode contender cycles through")
+    p.add_argument("--quick", action="store_true", help="fewer and smaller shapes")
+    p.add_argument("--only", default="decode,compute,grouped,indexer", help="comma-separated sections")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    only = set(args.only.split(","))
+    bw = measure_bandwidth(1 << 30)
+    print(f"measured bandwidth: plain copy {bw['stream_copy']:.1f} GB/s, non-temporal {bw['stream_copy_nt']:.1f} GB/s; "
+          f"torch threads {torch.get_num_threads()}, tegula workers {dg.get_num_sms()}", flush=True)
+    if "decode" in only:
+        decode_rows(args, bw["stream_copy"])
+    if "compute" in only:
+        compute_rows(args)
+    if "grouped" in only:
+        grouped_rows(args)
+        k_grouped_rows(args)
+    if "indexer" in only:
+        indexer_rows(args)
+
+
+if __name__ == "__main__":
+    main()
