@@ -107,8 +107,9 @@ def arch() -> str:
     return DEFAULT_ARCH
 
 
-def flags() -> list[str]:
-    archs = [a.strip() for a in arch().split(",") if a.strip()]
+def flags(archs: str | None = None) -> list[str]:
+    """nvcc's flags for ``archs`` (comma-separated; default ``arch()``): a cubin for one, a fat binary for more."""
+    archs = [a.strip() for a in (archs or arch()).split(",") if a.strip()]
     out = BASE_FLAGS + ["-I", PRELUDE_DIR]
     if len(archs) == 1:
         return out + ["-cubin", f"-arch={archs[0]}"]
