@@ -180,38 +180,6 @@ TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const 
 #define TG__HAVE_I8_QUADS 0
 #endif
 
-/* C[i][j] (+)= (row i of A) . (row j of B) for an fp32 A @ B^T with few rows (GEMV-like), where
- * packing B would cost more than the product: 16-lane partial sums, four columns at a time. */
-static inline void tg__gemm_dot_f32(int M, int N, int K, const float *A, int lda, const float *B, int ldb, float *C,
-                                    int ldc, int clear)
-{
-    for (int i = 0; i < M; i++) {
-        const float *a = A + (long)i * lda;
-        for (int j0 = 0; j0 < N; j0 += 4) {
-            float acc[4][16] = {{0}};
-            const float *b[4];
-            for (int q = 0; q < 4; q++)
-                b[q] = B + (long)TG__MIN(j0 + q, N - 1) * ldb;
-            int k = 0;
-            for (; k + 16 <= K; k += 16)
-                for (int q = 0; q < 4; q++)
-#pragma omp simd
-                    for (int l = 0; l < 16; l++)
-                        acc[q][l] = fmaf(a[k + l], b[q][k + l], acc[q][l]);
-            for (; k < K; k++)
-                for (int q = 0; q < 4; q++)
-                    acc[q][0] = fmaf(a[k], b[q][k], acc[q][0]);
-            for (int q = 0; q < 4 && j0 + q < N; q++) {
-                float s = 0.0f;
-                for (int l = 0; l < 16; l++)
-                    s += acc[q][l];
-                float *c = C + (long)i * ldc + j0 + q;
-                *c = clear ? s : *c + s;
-            }
-        }
-    }
-}
-
 /* Tiles the caller reads next (the sources of the next step's copies in a pipelined loop): their cache
  * lines are prefetched a few at a time between register blocks, so that those loads overlap this product. */
 typedef struct {
@@ -307,10 +275,6 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
     if (K <= 0) {
         for (int i = 0; clear && i < M; i++)
             memset((char *)C + 4L * i * ldc, 0, 4L * N);
-        return;
-    }
-    if (dt == TG__DT_F32 && transB && !transA && M <= 4) {
-        tg__gemm_dot_f32(M, N, K, (const float *)A, lda, (const float *)B, ldb, (float *)C, ldc, clear);
         return;
     }
     tg__pf pf;
