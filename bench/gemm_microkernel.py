@@ -158,8 +158,11 @@ def main():
         for dt, shape, tr in CASES:
             m, n, k = shape
             _, tc, size = DTYPES[dt]
-            a = rng.integers(0, 4, m * k * size, dtype=np.uint8)  # small finite values of every dtype
+            a = rng.integers(0, 4, m * k * size, dtype=np.uint8)  # small finite values of every narrow dtype
             b = rng.integers(0, 4, k * n * size, dtype=np.uint8)
+            if dt == "f32":  # as bytes, these would be fp32 subnormals, which some paths compute slowly
+                a = rng.standard_normal(m * k).astype(np.float32).view(np.uint8)
+                b = rng.standard_normal(k * n).astype(np.float32).view(np.uint8)
             c = np.zeros(m * n, dtype=np.int32 if tc == "int32_t" else np.float32)
             fn = getattr(lib, _case_name(dt, shape, tr))
             fn.restype = ctypes.c_double
