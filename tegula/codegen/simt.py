@@ -160,9 +160,13 @@ class SimtEmitter(CFamilyEmitter):
         names = {id(p): f"v[{k}]" for k, p in enumerate(args) if isinstance(p, E.Var)}
         k = self.kernel
         written = {id(s.buffer) for s in S.walk(k.body) if isinstance(s, (S.Store, S.AtomicElem))}
+        try:
+            grid = [host_expr(E.as_expr(g), names) for g in k.grid] + ["1"] * (3 - len(k.grid))
+        except CompileError as e:
+            raise e.with_loc(k.loc)
         meta = {
             "kernel": f"tg_{f.name}",
-            "grid": [host_expr(E.as_expr(g), names) for g in k.grid] + ["1"] * (3 - len(k.grid)),
+            "grid": grid,
             "threads": k.nthreads,
             "params": [p.dtype.name if isinstance(p, E.Var) else f"p:{p.dtype.name}" for p in args],
             "writes": [i for i, p in enumerate(f.params) if not isinstance(p, E.Var) and id(p) in written],

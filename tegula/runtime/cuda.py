@@ -71,7 +71,7 @@ def _device_info() -> tuple[list[str], str | None]:
     except ImportError:
         return [], "cuda-bindings is not installed (pip install cuda-bindings)"
     except Exception as e:  # noqa: BLE001 - no driver, no device
-        return [], f"no CUDA driver or device ({type(e).__name__}: {str(e).splitlines()[0]})"
+        return [], f"no CUDA driver or device ({type(e).__name__})"
     out = []
     for k in range(n):
         dev = _check(cu.cuDeviceGet(k), "cuDeviceGet")

@@ -38,8 +38,8 @@ def _all_devices() -> list:
 def _describe(platform, dev) -> str:
     cl = _cl()
     kind = "GPU" if dev.type & cl.device_type.GPU else "CPU" if dev.type & cl.device_type.CPU else "accelerator"
-    return (f"{dev.name.strip()} ({kind}, {dev.max_compute_units} compute units, {dev.version.strip()}, "
-            f"platform {platform.name.strip()})")
+    version = " ".join(dev.version.split()[:2])  # "OpenCL 3.0", without the vendor's build string
+    return f"{dev.name.strip()} ({kind}, {dev.max_compute_units} compute units, {version}, {platform.name.strip()})"
 
 
 @functools.lru_cache(maxsize=None)
