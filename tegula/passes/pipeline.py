@@ -1,13 +1,14 @@
 """The pass order of each target family."""
 from __future__ import annotations
 
-from tegula.passes import (check_program, distribute_threads, infer_layouts, insert_barriers, lower_tile_ops,
-                           prefetch_pipelined)
+from tegula.passes import (check_program, distribute_threads, guard_global_access, infer_layouts, insert_barriers,
+                           lower_tile_ops, prefetch_pipelined)
 
 PIPELINES = {
-    "interp": [check_program.run],
-    "cpu": [check_program.run, prefetch_pipelined.run, lower_tile_ops.run],
-    "simt": [check_program.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run, insert_barriers.run],
+    "interp": [check_program.run, guard_global_access.run],
+    "cpu": [check_program.run, guard_global_access.run, prefetch_pipelined.run, lower_tile_ops.run],
+    "simt": [check_program.run, guard_global_access.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run,
+             insert_barriers.run],
 }
 
 

@@ -1,0 +1,76 @@
+"""Element accesses of global tensors past their edge: a load reads 0, a store does nothing (TileLang's safe
+memory access), so a grid that overhangs a tensor needs no hand-written guard. Where the indices provably stay
+inside, no guard is emitted."""
+import torch
+
+import tegula
+import tegula.language as T
+
+
+def scale_rows(M, block=16, dynamic=False):
+    m = T.dynamic("m") if dynamic else M
+
+    @T.prim_func
+    def main(A: T.Tensor((m, 8), "float32"), B: T.Tensor((m, 8), "float32")):
+        with T.Kernel(T.ceildiv(m, block)) as bx:
+            for i, j in T.Parallel(block, 8):
+                B[bx * block + i, j] = A[bx * block + i, j] * 2.0 + 1.0
+    return main
+
+
+def test_overhanging_grid_reads_zero_and_skips_stores(target):
+    for M, dynamic in ((70, False), (37, True)):
+        a = torch.randn(M, 8)
+        b = tegula.compile(scale_rows(M, dynamic=dynamic), out_idx=[1], target=target)(a)
+        assert torch.equal(b, a * 2 + 1)
+
+
+def test_loads_past_the_edge_are_zero(target):
+    # each block sums a window of 16 that runs past the end for the last rows: the missing terms are 0
+    @T.prim_func
+    def main(A: T.Tensor((20,), "float32"), S: T.Tensor((20,), "float32")):
+        with T.Kernel(20) as r:
+            acc = T.alloc_var("float32")
+            acc = 0.0
+            for k in T.serial(16):
+                acc += A[r + k]
+            S[r] = acc
+
+    a = torch.randn(20)
+    s = tegula.compile(main, out_idx=[1], target=target)(a)
+    ref = torch.stack([a[r:r + 16].sum() for r in range(20)])
+    torch.testing.assert_close(s, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_through_an_index_tensor(target):
+    # indices past the table read 0; indices read past the end of Idx read 0 too (so they gather row 0)
+    @T.prim_func
+    def main(Table: T.Tensor((5, 4), "float32"), Idx: T.Tensor((6,), "int32"), Out: T.Tensor((8, 4), "float32")):
+        with T.Kernel(1):
+            for i, j in T.Parallel(8, 4):
+                Out[i, j] = Table[Idx[i], j]
+
+    table = torch.randn(5, 4)
+    idx = torch.tensor([4, 0, 7, -1, 2, 1], dtype=torch.int32)
+    out = tegula.compile(main, out_idx=[2], target=target)(table, idx)
+    ref = torch.stack([table[k] if 0 <= k < 5 else torch.zeros(4) for k in idx.tolist() + [0, 0]])
+    assert torch.equal(out, ref)
+
+
+def test_no_guard_where_the_indices_stay_inside():
+    for text, guarded in ((tegula.lower(scale_rows(64), target="c").lowered.script(), False),
+                          (tegula.lower(scale_rows(70), target="c").lowered.script(), True)):
+        assert ("select(" in text or "if " in text) == guarded, text
+
+
+def test_a_hand_written_guard_is_enough():
+    @T.prim_func
+    def main(A: T.Tensor((70,), "float32"), B: T.Tensor((70,), "float32")):
+        with T.Kernel(T.ceildiv(70, 32)) as bx:
+            for i in T.Parallel(32):
+                row = bx * 32 + i
+                if row < 70:
+                    B[row] = A[row]
+
+    text = tegula.lower(main, target="c").lowered.script()
+    assert text.count("if ") == 1 and "select(" not in text, text
