@@ -1,6 +1,10 @@
-"""The `cuda` column of the language tests, on machines without a GPU: every kernel a test compiles is lowered to
-CUDA C++ and built with nvcc for sm_80 and sm_90a, and the test goes on with the same kernel on `c` (or
-`interp`), so its checks still run.
+"""The `cuda` column of the language tests.
+
+With a CUDA device (bench/gpu_check.py runs it there), the kernels are built for it and run on it: the tests'
+CPU tensors go to the GPU for the call and the results come back, so every check holds as written.
+
+Without one, every kernel a test compiles is lowered to CUDA C++ and built with nvcc for sm_80 and sm_90a, and
+the test goes on with the same kernel on `c` (or `interp`), so its checks still run.
 
 nvcc takes about a second to start, more than most of these kernels take to compile, so the sources of one test
 module are built together, as one translation unit, when the module's tests are done; a kernel nvcc rejects
@@ -26,10 +30,13 @@ def compile_for_cuda_then_run_on_cpu(real_compile):
     """A stand-in for tegula.jit.compile_func: cuda requests are lowered (and queued for nvcc); the kernel
     returned runs on the CPU."""
     fallback = "c" if tegula.runtime.get("c").available()[0] else "interp"
+    on_gpu = bool(cuda_rt.devices())
 
     def compile_func(func, out_idx=None, target=None, options=None):
         if target != "cuda":
             return real_compile(func, out_idx, target, options)
+        if on_gpu:
+            return OnGpu(real_compile(func, out_idx, target, options))
         source = tegula.lower(func, target="cuda").kernel_source
         _pending.append((f"{func.name} ({func.loc[0]}:{func.loc[1]})" if func.loc else func.name, source))
         return real_compile(func, out_idx, fallback, options)
@@ -67,3 +74,27 @@ def build_pending() -> None:
         raise AssertionError(f"nvcc ({ARCHS}) rejected kernels of this module:\n{r.stderr[-8000:]}")
     os.makedirs(os.path.dirname(marker), exist_ok=True)
     open(marker, "w").close()
+
+
+class OnGpu:
+    """A cuda kernel called with the tests' CPU tensors (or numpy arrays): they are copied to the GPU for the call,
+    and back, in place, after it; returned tensors come back to the CPU."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args):
+        import numpy as np
+        import torch
+        host = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+        dev = [a.cuda() if isinstance(a, torch.Tensor) else a for a in host]
+        out = self.kernel(*dev)
+        for h, d in zip(host, dev):
+            if isinstance(h, torch.Tensor):
+                h.copy_(d)
+        if isinstance(out, (list, tuple)):
+            return [o.cpu() for o in out]
+        return out.cpu() if isinstance(out, torch.Tensor) else out
