@@ -92,7 +92,7 @@ def attention_rows(torch, tegula, batch, heads, seq, dim, repeats) -> list:
     rows = []
     for causal in (False, True):
         t0 = time.time()
-        func = ex.flash_attention(batch, heads, seq, dim, causal, block_M=128, block_N=64, threads=128,
+        func = ex.flash_attention(batch, heads, seq, dim, causal, block_M=128, block_N=64, threads=256,
                                   dtype="float16")
         kernel = tegula.compile(func, out_idx=[3], target="cuda")
         compile_s = time.time() - t0
