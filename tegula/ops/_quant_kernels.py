@@ -1,0 +1,422 @@
+"""The T.* kernels behind ``tegula.ops.quant``: per-token / per-block / per-channel casts to e4m3, e2m1 (FP4) and
+e5m6, and the casts back.
+
+Shapes are symbolic (``T.dynamic``): one compiled kernel serves every token count and hidden size; what is compiled
+in is the input dtype, the output format, the scaling-group shape and the input scales' block shape. A block covers
+BM rows x W columns (W a multiple of every group width), the x axis of the grid walks along a row so consecutive
+blocks touch consecutive memory. Global reads past the tensor give 0 (T.copy), so a partial last group is scaled by
+the amax of its real elements, as TileKernels' zero-padded reference does.
+
+Numerics (TileKernels'): amax clamped below (1e-4 for e4m3 / e5m6, 6 * 2**-126 for e2m1); sf = amax / max and
+inv = max / amax (two float32 divisions); with round_sf, sf = 2**ceil(log2(sf)) from its bits and inv = 1 / sf
+exactly; q = x * inv cast with saturation (e4m3: RNE to +-448; e2m1: RNE to +-6, two codes per byte, low nibble
+first; e5m6: float16 rounded toward zero, then RNE on the top 12 bits). Re-quantising an e4m3 / e2m1 input with
+scales xs: amax over x * xs (elementwise float32 products), q = x * (xs * inv) (TileKernels' kernel order).
+Scale factors are written as 32-bit words through runtime strides: float32 bits (row- or column-major), or packed
+UE8M0 (4 exponent bytes of consecutive groups per int32, low byte first, unused bytes 0).
+"""
+from __future__ import annotations
+
+import tegula.language as T
+
+FMT_MAX = {"e4m3": 448.0, "e2m1": 6.0, "e5m6": 65024.0}
+CLAMP_MIN = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126, "e5m6": 1e-4}
+IN_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "e4m3": "float8_e4m3fn", "e2m1": "uint8"}
+OUT_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "uint8", "e5m6": "uint32"}
+ROUND_SF, PACKED_SF = 1, 2  # bits of the ``flags`` argument
+
+
+# per-element and per-group helpers --------------------------------------------------------------------------------
+
+@T.macro
+def scale_of(amax, maxv, clamp_min, rnd):
+    """(the sf word: float32 bits, the inverse scale, the sf's biased exponent (UE8M0)) of a group's amax."""
+    a = T.max(amax, clamp_min)
+    sf = a / maxv
+    bits = T.reinterpret(sf, "int32")
+    eb = ((bits - 1) >> 23) + 1  # ceil(log2(sf)) + 127: a > 0 is normal, so bits - 1 never borrows the sign
+    word = T.if_then_else(rnd, eb << 23, bits)
+    inv = T.if_then_else(rnd, T.reinterpret((254 - eb) << 23, "float32"), maxv / a)
+    return word, inv, eb
+
+
+@T.macro
+def sf_from_word(word, packed_byte, packed):
+    """A float32 scale from its stored word: float bits, or a UE8M0 byte (``packed_byte`` = which byte)."""
+    return T.if_then_else(packed, T.reinterpret(((word >> (packed_byte * 8)) & 255) << 23, "float32"),
+                          T.reinterpret(word, "float32"))
+
+
+@T.macro
+def e2m1_code(v):
+    """The 4-bit e2m1 code of a float32 (RNE; |v| > 5 and NaN saturate to 6), sign in bit 3."""
+    a = T.abs(v)
+    mag = (7 - T.cast(a <= 5.0, "int32") - T.cast(a < 3.5, "int32") - T.cast(a <= 2.5, "int32")
+           - T.cast(a < 1.75, "int32") - T.cast(a <= 1.25, "int32") - T.cast(a < 0.75, "int32")
+           - T.cast(a <= 0.25, "int32"))
+    return mag | T.cast((T.reinterpret(v, "uint32") >> 31) << 3, "int32")
+
+
+@T.macro
+def e2m1_value(code):
+    """The float32 value of a 4-bit e2m1 code (an int32 in 0..15)."""
+    m = code & 7
+    mag = T.if_then_else(m < 2, T.cast(m, "float32") * 0.5,
+                         T.reinterpret((((m >> 1) + 126) << 23) | ((m & 1) << 22), "float32"))
+    return T.if_then_else(code >= 8, -mag, mag)
+
+
+@T.macro
+def load_tile(X, xf, r0, c0, in_kind, BM, W):
+    """x[r0:r0+BM, c0:c0+W] as float32 into ``xf`` (e2m1 input: packed bytes, decoded)."""
+    if in_kind == "e2m1":
+        xb = T.alloc_fragment((BM, W // 2), "uint8")
+        T.copy(X[r0, c0 // 2], xb)
+        for i, j in T.Parallel(BM, W):
+            xf[i, j] = e2m1_value(T.cast(xb[i, j // 2] >> ((j % 2) * 4), "int32") & 15)
+    else:
+        T.copy(X[r0, c0], xf)
+
+
+@T.macro
+def load_in_scales(XS, xs, r0, c0, NT, hidden, xbt, xbc, in_packed, BM, NB):
+    """The input's scales for rows r0.. and the NB blocks of xbc columns from c0, as float32 (clamped indices:
+    rows / blocks past the end repeat the last one, their elements are zeros anyway)."""
+    nxb = T.ceildiv(hidden, xbc)
+    for i, c in T.Parallel(BM, NB):
+        r = T.min(r0 + i, NT - 1) // xbt
+        k = T.min(c0 // xbc + c, nxb - 1)
+        if in_packed:
+            xs[i, c] = sf_from_word(XS[r, k // 4], k % 4, True)
+        else:
+            xs[i, c] = T.reinterpret(XS[r, k], "float32")
+
+
+@T.macro
+def store_scales(S, word, eb, r0, g0, NT, ngroups, packed, BM, GB):
+    """Write the BM x GB scale words of groups g0.. (packed: ceil(GB / 4) words of 4 exponent bytes, bytes of groups
+    past ``ngroups`` 0; g0 a multiple of 4)."""
+    if packed:
+        for i, w in T.Parallel(BM, (GB + 3) // 4):
+            g = g0 + w * 4
+            v = (T.if_then_else(g < ngroups, eb[i, T.min(w * 4, GB - 1)], 0)
+                 | (T.if_then_else(g + 1 < ngroups, eb[i, T.min(w * 4 + 1, GB - 1)], 0) << 8)
+                 | (T.if_then_else(g + 2 < ngroups, eb[i, T.min(w * 4 + 2, GB - 1)], 0) << 16)
+                 | (T.if_then_else(g + 3 < ngroups, eb[i, T.min(w * 4 + 3, GB - 1)], 0) << 24))
+            if r0 + i < NT and g < ngroups:
+                S[r0 + i, g // 4] = v
+    else:
+        for i, g in T.Parallel(BM, GB):
+            if r0 + i < NT and g0 + g < ngroups:
+                S[r0 + i, g0 + g] = word[i, g]
+
+
+@T.macro
+def store_quantized(Q, v, r0, c0, fmt, BM, W):
+    """Cast the float32 tile ``v`` (already scaled) to ``fmt`` and store it at Q[r0, c0] (e2m1: byte columns)."""
+    if fmt == "e4m3":
+        T.copy(v, Q[r0, c0])
+    else:
+        qp = T.alloc_fragment((BM, W // 2), "uint8")
+        for i, j in T.Parallel(BM, W // 2):
+            qp[i, j] = T.cast(e2m1_code(v[i, j * 2]) & 15 | ((e2m1_code(v[i, j * 2 + 1]) & 15) << 4), "uint8")
+        T.copy(qp, Q[r0, c0 // 2])
+
+
+# kernels ----------------------------------------------------------------------------------------------------------
+
+def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2048, BM=1):
+    """X (num_tokens, x_cols) with row stride ``x_stride`` -> Q, S: one scale per G consecutive columns of a row.
+    ``in_kind``: float32 / bfloat16, or e4m3 / e2m1 (packed bytes) with scales XS over blocks ``xb`` (tokens,
+    channels). ``mode``: 'cast' (Q and S), 'sf_only' (S), 'with_sf' (Q from the scales given in S).
+    ``flags``: ROUND_SF | PACKED_SF."""
+    NT = T.dynamic("num_tokens")
+    XC, XST, QR, QC = T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("q_rows"), T.dynamic("q_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    IR, IC, ISM, ISK = T.dynamic("xsf_rows"), T.dynamic("xsf_cols"), T.dynamic("xsf_sm"), T.dynamic("xsf_sk")
+    xdt, qdt = IN_DTYPE[in_kind], OUT_DTYPE[fmt]
+    requant = in_kind in ("e4m3", "e2m1")
+    GB = W // G
+    xbt, xbc = xb
+    NB = W // xbc if requant else 1
+    maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
+
+    @T.prim_func
+    def per_token_cast(X: T.StridedTensor((NT, XC), (XST, 1), xdt), XS: T.StridedTensor((IR, IC), (ISM, ISK), "int32"),
+                       Q: T.Tensor((QR, QC), qdt), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                       hidden: T.int32, flags: T.int32):
+        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, BM)) as (bx, by):
+            r0, c0, g0 = by * BM, bx * W, bx * GB
+            ngroups = T.ceildiv(hidden, G)
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            xf = T.alloc_fragment((BM, W), "float32")
+            xs = T.alloc_fragment((BM, NB), "float32")
+            inv = T.alloc_fragment((BM, GB), "float32")
+            load_tile(X, xf, r0, c0, in_kind, BM, W)
+            if requant:
+                load_in_scales(XS, xs, r0, c0, NT, hidden, xbt, xbc, in_packed, BM, NB)
+            if mode == "with_sf":
+                for i, g in T.Parallel(BM, GB):
+                    ok = r0 + i < NT and g0 + g < ngroups
+                    inv[i, g] = 1.0 / T.if_then_else(ok, T.reinterpret(S[T.min(r0 + i, NT - 1),
+                                                                         T.min(g0 + g, ngroups - 1)], "float32"), 1.0)
+            else:
+                amax = T.alloc_fragment((BM, GB), "float32")
+                if requant:
+                    xd = T.alloc_fragment((BM, W), "float32")
+                    for i, j in T.Parallel(BM, W):
+                        xd[i, j] = xf[i, j] * xs[i, j // xbc]
+                    T.reduce_absmax(T.reshape(xd, (BM, GB, G)), amax, dim=2)
+                else:
+                    T.reduce_absmax(T.reshape(xf, (BM, GB, G)), amax, dim=2)
+                word = T.alloc_fragment((BM, GB), "int32")
+                eb = T.alloc_fragment((BM, GB), "int32")
+                for i, g in T.Parallel(BM, GB):
+                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+                    word[i, g] = w_
+                    inv[i, g] = v_
+                    eb[i, g] = e_
+                store_scales(S, word, eb, r0, g0, NT, ngroups, packed, BM, GB)
+            if mode != "sf_only":
+                xg = T.reshape(xf, (BM, GB, G))
+                if fmt == "e4m3":  # scale and narrow in one pass, then move the bytes
+                    q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
+                    if requant:
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            q[i, g, k] = xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
+                    else:
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            q[i, g, k] = xg[i, g, k] * inv[i, g]
+                    T.copy(T.reshape(q, (BM, W)), Q[r0, c0])
+                else:
+                    if requant:
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            xg[i, g, k] = xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
+                    else:
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            xg[i, g, k] = xg[i, g, k] * inv[i, g]
+                    store_quantized(Q, xf, r0, c0, fmt, BM, W)
+    return per_token_cast
+
+
+def per_row_cast(in_kind, fmt, W=1024, BM=2):
+    """One scale per row (num_per_channels == hidden): the row's amax over chunks of W, then the cast chunk by
+    chunk. ``fmt`` e4m3 / e2m1 / e5m6 (e5m6: Q is uint32, 8 values in 3 words)."""
+    NT = T.dynamic("num_tokens")
+    XC, XST, QC = T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("q_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    xdt, qdt = IN_DTYPE[in_kind], OUT_DTYPE[fmt]
+    maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
+
+    @T.prim_func
+    def per_row_cast(X: T.StridedTensor((NT, XC), (XST, 1), xdt), Q: T.Tensor((NT, QC), qdt),
+                     S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), hidden: T.int32, flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            xf = T.alloc_fragment((BM, W), "float32")
+            part = T.alloc_fragment((BM,), "float32")
+            amax = T.alloc_fragment((BM,), "float32")
+            inv = T.alloc_fragment((BM,), "float32")
+            T.fill(amax, 0.0)
+            for c in T.serial(T.ceildiv(hidden, W)):
+                T.copy(X[r0, c * W], xf)
+                T.reduce_absmax(xf, part, dim=1)
+                for i in T.Parallel(BM):
+                    amax[i] = T.max(amax[i], part[i])
+            for i in T.Parallel(BM):
+                w_, v_, e_ = scale_of(amax[i], maxv, cmin, rnd)
+                inv[i] = v_
+                if r0 + i < NT:
+                    S[r0 + i, 0] = T.if_then_else(packed, e_, w_)
+            for c in T.serial(T.ceildiv(hidden, W)):
+                T.copy(X[r0, c * W], xf)
+                for i, j in T.Parallel(BM, W):
+                    xf[i, j] = xf[i, j] * inv[i]
+                if fmt == "e5m6":
+                    store_e5m6(Q, xf, r0, c * W, BM, W)
+                else:
+                    store_quantized(Q, xf, r0, c * W, fmt, BM, W)
+    return per_row_cast
+
+
+@T.macro
+def e5m6_code(v):
+    """The 12-bit e5m6 code of a float32: its float16 rounded toward zero (top 12 of 16 bits kept), then rounded to
+    nearest even on the float32 bits below the kept mantissa (TileKernels' definition, subnormals included)."""
+    xb = T.reinterpret(v, "uint32")
+    sign = (xb >> 16) & 0x8000
+    e = T.cast((xb >> 23) & 255, "int32")
+    m = xb & 0x7FFFFF
+    normal = sign | (T.cast(e - 112, "uint32") << 10) | (m >> 13)
+    sub = sign | ((m | 0x800000) >> T.cast(T.clamp(126 - e, 0, 31), "uint32"))
+    h = T.if_then_else(e < 103, sign, T.if_then_else(e <= 112, sub, T.if_then_else(
+        e <= 142, normal, T.if_then_else(e == 255 and m != 0, sign | 0x7FFF, sign | 0x7C00))))
+    c = h >> 4
+    up = T.cast((c & 1) + (xb & 0x1FFFF) > 0x10000, "uint32")
+    return (c + up) & 0xFFF
+
+
+@T.macro
+def store_e5m6(Q, v, r0, c0, BM, W):
+    """Pack the float32 tile ``v`` as e5m6: 8 codes per 3 uint32 words (code 0 in the top bits of word 0)."""
+    codes = T.alloc_fragment((BM, W), "uint32")
+    for i, j in T.Parallel(BM, W):
+        codes[i, j] = e5m6_code(v[i, j])
+    words = T.alloc_fragment((BM, W // 8, 3), "uint32")
+    for i, j in T.Parallel(BM, W // 8):
+        h0, h1, h2, h3 = codes[i, j * 8], codes[i, j * 8 + 1], codes[i, j * 8 + 2], codes[i, j * 8 + 3]
+        h4, h5, h6, h7 = codes[i, j * 8 + 4], codes[i, j * 8 + 5], codes[i, j * 8 + 6], codes[i, j * 8 + 7]
+        words[i, j, 0] = (h0 << 20) | (h1 << 8) | (h2 >> 4)
+        words[i, j, 1] = (h2 << 28) | (h3 << 16) | (h4 << 4) | (h5 >> 8)
+        words[i, j, 2] = (h5 << 24) | (h6 << 12) | h7
+    T.copy(T.reshape(words, (BM, W // 8 * 3)), Q[r0, c0 // 8 * 3])
+
+
+def per_block_cast(in_kind, fmt, bt, bc, mode="cast", W=None):
+    """One scale per bt x bc block (TileKernels' per_block_cast): a block of the grid is bt rows x W columns."""
+    W = W or max(4 * bc, 8192 // bt)
+    NT, XC, QR, QC = T.dynamic("num_tokens"), T.dynamic("x_cols"), T.dynamic("q_rows"), T.dynamic("q_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    xdt, qdt = IN_DTYPE[in_kind], OUT_DTYPE[fmt]
+    GB = W // bc
+    maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
+
+    @T.prim_func
+    def per_block_cast(X: T.Tensor((NT, XC), xdt), Q: T.Tensor((QR, QC), qdt),
+                       S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), hidden: T.int32, flags: T.int32):
+        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, bt)) as (bx, by):
+            r0, c0, g0 = by * bt, bx * W, bx * GB
+            ngroups = T.ceildiv(hidden, bc)
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            xf = T.alloc_fragment((bt, W), "float32")
+            inv = T.alloc_fragment((1, GB), "float32")
+            T.copy(X[r0, c0], xf)
+            if mode == "with_sf":
+                for i, g in T.Parallel(1, GB):
+                    ok = g0 + g < ngroups
+                    inv[i, g] = 1.0 / T.if_then_else(ok, T.reinterpret(S[by, T.min(g0 + g, ngroups - 1)], "float32"),
+                                                     1.0)
+            else:
+                rows = T.alloc_fragment((bt, GB), "float32")
+                amax = T.alloc_fragment((1, GB), "float32")
+                T.reduce_absmax(T.reshape(xf, (bt, GB, bc)), rows, dim=2)
+                T.reduce_absmax(rows, T.reshape(amax, (GB,)), dim=0)
+                word = T.alloc_fragment((1, GB), "int32")
+                eb = T.alloc_fragment((1, GB), "int32")
+                for i, g in T.Parallel(1, GB):
+                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+                    word[i, g] = w_
+                    inv[i, g] = v_
+                    eb[i, g] = e_
+                store_scales(S, word, eb, by, g0, T.ceildiv(NT, bt), ngroups, packed, 1, GB)
+            if mode != "sf_only":
+                for i, j in T.Parallel(bt, W):
+                    xf[i, j] = xf[i, j] * inv[0, j // bc]
+                store_quantized(Q, xf, r0, c0, fmt, bt, W)
+    return per_block_cast
+
+
+def per_channel_cast(in_kind, bt=128, W=128):
+    """One scale per column per bt rows (TileKernels' per_channel_cast, e4m3): S (num_tokens / bt, hidden) float32."""
+    NT, H, SR = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("sf_rows")
+    xdt = IN_DTYPE[in_kind]
+
+    @T.prim_func
+    def per_channel_cast(X: T.Tensor((NT, H), xdt), Q: T.Tensor((NT, H), "float8_e4m3fn"),
+                         S: T.Tensor((SR, H), "int32"), flags: T.int32):
+        with T.Kernel(T.ceildiv(H, W), T.ceildiv(NT, bt)) as (bx, by):
+            rnd = (flags & ROUND_SF) != 0
+            xf = T.alloc_fragment((bt, W), "float32")
+            amax = T.alloc_fragment((W,), "float32")
+            inv = T.alloc_fragment((W,), "float32")
+            T.copy(X[by * bt, bx * W], xf)
+            T.reduce_absmax(xf, amax, dim=0)
+            for j in T.Parallel(W):
+                w_, v_, e_ = scale_of(amax[j], 448.0, 1e-4, rnd)
+                inv[j] = v_
+                if bx * W + j < H:
+                    S[by, bx * W + j] = w_
+            for i, j in T.Parallel(bt, W):
+                xf[i, j] = xf[i, j] * inv[j]
+            store_quantized(Q, xf, by * bt, bx * W, "e4m3", bt, W)
+    return per_channel_cast
+
+
+def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
+    """Q (e4m3, or e2m1 bytes) and its scales over bt x bc blocks -> Out = q * sf in ``out_dtype``. ``bc`` 0: one
+    scale per row (column index 0)."""
+    NT, QC, OC = T.dynamic("num_tokens"), T.dynamic("q_cols"), T.dynamic("out_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    qdt = IN_DTYPE[in_fmt]
+    NB = 1 if bc == 0 else W // bc
+
+    @T.prim_func
+    def cast_back(Q: T.Tensor((NT, QC), qdt), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                  Out: T.Tensor((NT, OC), out_dtype), hidden: T.int32):
+        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, BM)) as (bx, by):
+            r0, c0 = by * BM, bx * W
+            xf = T.alloc_fragment((BM, W), "float32")
+            xs = T.alloc_fragment((BM, NB), "float32")
+            load_tile(Q, xf, r0, c0, in_fmt, BM, W)
+            if bc == 0:
+                for i, c in T.Parallel(BM, NB):
+                    xs[i, c] = sf_from_word(S[T.min(r0 + i, NT - 1) // bt, 0], 0, in_packed)
+                for i, j in T.Parallel(BM, W):
+                    xf[i, j] = xf[i, j] * xs[i, 0]
+            else:
+                load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
+                for i, j in T.Parallel(BM, W):
+                    xf[i, j] = xf[i, j] * xs[i, j // bc]
+            T.copy(xf, Out[r0, c0])
+    return cast_back
+
+
+def cast_back_e5m6(out_dtype, bt, in_packed, W=2048, BM=1):
+    """e5m6 words (num_tokens, hidden / 8 * 3) and one scale per row per bt rows -> Out in ``out_dtype``."""
+    NT, QC, OC = T.dynamic("num_tokens"), T.dynamic("q_cols"), T.dynamic("out_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+
+    @T.prim_func
+    def cast_back_e5m6(Q: T.Tensor((NT, QC), "uint32"), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                       Out: T.Tensor((NT, OC), out_dtype), hidden: T.int32):
+        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, BM)) as (bx, by):
+            r0, c0 = by * BM, bx * W
+            words = T.alloc_fragment((BM, W // 8 * 3), "uint32")
+            xf = T.alloc_fragment((BM, W // 8, 8), "float32")
+            T.copy(Q[r0, c0 // 8 * 3], words)
+            for i, j in T.Parallel(BM, W // 8):
+                w0, w1, w2 = words[i, j * 3], words[i, j * 3 + 1], words[i, j * 3 + 2]
+                s = sf_from_word(S[T.min(r0 + i, NT - 1) // bt, 0], 0, in_packed)
+                xf[i, j, 0] = f16_bits(w0 >> 16) * s
+                xf[i, j, 1] = f16_bits(w0 >> 4) * s
+                xf[i, j, 2] = f16_bits((w0 << 8) | (w1 >> 24)) * s
+                xf[i, j, 3] = f16_bits(w1 >> 12) * s
+                xf[i, j, 4] = f16_bits(w1) * s
+                xf[i, j, 5] = f16_bits((w1 << 12) | (w2 >> 20)) * s
+                xf[i, j, 6] = f16_bits(w2 >> 8) * s
+                xf[i, j, 7] = f16_bits(w2 << 4) * s
+            T.copy(T.reshape(xf, (BM, W)), Out[r0, c0])
+    return cast_back_e5m6
+
+
+@T.macro
+def f16_bits(w):
+    """The float32 value of the float16 whose top 12 bits are bits 4..15 of ``w``."""
+    return T.cast(T.reinterpret(T.cast(w & 0xFFF0, "uint16"), "float16"), "float32")
+
+
+def e2m1_unpack(W=2048, BM=1):
+    """Packed e2m1 bytes (num_tokens, cols) -> float32 (num_tokens, 2 * cols)."""
+    NT, QC, OC = T.dynamic("num_tokens"), T.dynamic("q_cols"), T.dynamic("out_cols")
+
+    @T.prim_func
+    def e2m1_unpack(Q: T.Tensor((NT, QC), "uint8"), Out: T.Tensor((NT, OC), "float32")):
+        with T.Kernel(T.ceildiv(OC, W), T.ceildiv(NT, BM)) as (bx, by):
+            xf = T.alloc_fragment((BM, W), "float32")
+            load_tile(Q, xf, by * BM, bx * W, "e2m1", BM, W)
+            T.copy(xf, Out[by * BM, bx * W])
+    return e2m1_unpack

@@ -1,0 +1,288 @@
+"""SwiGLU fused with the per-token FP8 cast (TileKernels' ``swiglu_forward_and_per_token_cast`` and
+``swiglu_backward_and_per_token_cast``), kernels in T.*; exported from ``tegula.ops.quant``.
+
+Numerics, all float32: silu(l) = l / (1 + exp(-l)) with ``exp`` bit-identical to torch's CPU sigmoid / silu (see
+``_tk_math``), out = silu(l) * r (* the routing weight); with a clamp c, l <= c and |r| <= c first (and, with
+``clamped_count``, the three counts added to it). The backward's input gradient uses 1 + x * (1 - s) as one fused
+multiply-add; the weight gradient sums grad_out * act over the row in a fixed order: 32 lanes (lane l takes the
+columns l, l + 32, ...) accumulated in column order, then the lanes pairwise (l + 16 into l, then 8, 4, 2, 1).
+"""
+from __future__ import annotations
+
+import tegula.language as T
+from tegula.ops import _tk
+from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, scale_of, store_scales
+from tegula.ops._tk_math import exp_f32, fma_f32
+
+LANES = 32
+
+
+@T.macro
+def lane_sum(p, acc, BM, H):
+    """acc[i, 0] = sum over j of p[i, j] in the lane order of the module docstring (p is (BM, H), H % 32 == 0)."""
+    pv = T.reshape(p, (BM, H // LANES, LANES))
+    T.fill(acc, 0.0)
+    for c in T.serial(H // LANES):
+        for i, lane in T.Parallel(BM, LANES):
+            acc[i, lane] = acc[i, lane] + pv[i, c, lane]
+    for step in T.unroll(5):
+        half = 16 >> step
+        for i, lane in T.Parallel(BM, 16):
+            if lane < half:
+                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
+
+
+def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1):
+    """X (num_tokens, 2H) -> Q e4m3 (num_tokens, H), S: silu(X[:, :H]) * X[:, H:] (* TW[P2T[row]]), one scale per G
+    columns. Rows with P2E < 0 are not computed: zeros, and the smallest scale."""
+    NT, XST = T.dynamic("num_tokens"), T.dynamic("x_stride")
+    NP, NW, NE = T.dynamic("np"), T.dynamic("nw"), T.dynamic("ne")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    GB = H // G
+
+    @T.prim_func
+    def swiglu_forward(X: T.StridedTensor((NT, 2 * H), (XST, 1), in_dtype), Q: T.Tensor((NT, H), "float8_e4m3fn"),
+                       S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), P2T: T.Tensor((NP,), "int32"),
+                       TW: T.Tensor((NW,), "float32"), P2E: T.Tensor((NE,), "int32"), CNT: T.Tensor((3,), "int64"),
+                       clamp: T.float32, sf_min: T.float32, flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            ok = T.alloc_fragment((BM,), "int32")
+            wr = T.alloc_fragment((BM,), "float32")
+            for i in T.Parallel(BM):
+                r = T.min(r0 + i, NT - 1)
+                ok[i] = T.cast(r0 + i < NT, "int32")
+                if with_p2e:
+                    ok[i] = ok[i] * T.cast(P2E[r] >= 0, "int32")
+                if with_weight:
+                    p = P2T[r]
+                    wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
+            xl = T.alloc_fragment((BM, H), "float32")
+            xr = T.alloc_fragment((BM, H), "float32")
+            T.copy(X[r0, 0], xl)
+            T.copy(X[r0, H], xr)
+            if use_clamp and count_clamp:
+                flg = T.alloc_fragment((BM, 3, H), "int32")
+                for i, j in T.Parallel(BM, H):
+                    flg[i, 0, j] = T.cast(xl[i, j] > clamp, "int32") * ok[i]
+                    flg[i, 1, j] = T.cast(xr[i, j] > clamp, "int32") * ok[i]
+                    flg[i, 2, j] = T.cast(xr[i, j] < -clamp, "int32") * ok[i]
+                per_row = T.alloc_fragment((BM, 3), "int32")
+                total = T.alloc_fragment((3,), "int32")
+                T.reduce_sum(flg, per_row, dim=2)
+                T.reduce_sum(per_row, total, dim=0)
+                for k in T.serial(3):
+                    T.atomic_add(CNT[k], T.cast(total[k], "int64"))
+            y = T.alloc_fragment((BM, GB, G), "float32")
+            yv = T.reshape(y, (BM, H))
+            for i, j in T.Parallel(BM, H):
+                lv = xl[i, j]
+                rv = xr[i, j]
+                if use_clamp:
+                    lv = T.if_then_else(lv > clamp, clamp, lv)
+                    rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
+                v = lv / (1.0 + exp_f32(-lv)) * rv
+                if with_weight:
+                    v = v * wr[i]
+                yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
+            amax = T.alloc_fragment((BM, GB), "float32")
+            inv = T.alloc_fragment((BM, GB), "float32")
+            word = T.alloc_fragment((BM, GB), "int32")
+            eb = T.alloc_fragment((BM, GB), "int32")
+            T.reduce_absmax(y, amax, dim=2)
+            for i, g in T.Parallel(BM, GB):
+                w_, v_, e_ = scale_of(amax[i, g], 448.0, sf_min, rnd)
+                word[i, g] = w_
+                inv[i, g] = v_
+                eb[i, g] = e_
+            store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
+            q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
+            for i, g, k in T.Parallel(BM, GB, G):
+                q[i, g, k] = y[i, g, k] * inv[i, g]
+            T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
+    return swiglu_forward
+
+
+def swiglu_backward(H, G, use_clamp, BM=1):
+    """The SwiGLU backward of TileKernels with the e4m3 per-token cast of the input gradient."""
+    NT, NK = T.dynamic("num_expand_tokens"), T.dynamic("num_token_topk")
+    GB2 = 2 * H // G
+
+    @T.prim_func
+    def swiglu_backward(XQ: T.Tensor((NT, 2 * H), "float8_e4m3fn"), XS: T.Tensor((NT, GB2), "float32"),
+                        GO: T.Tensor((NT, H), "bfloat16"), WT: T.Tensor((NK,), "float32"),
+                        P2T: T.Tensor((NT,), "int32"), TTP: T.Tensor((NK,), "int32"),
+                        OUT: T.Tensor((NT, H), "bfloat16"), GQ: T.Tensor((NT, 2 * H), "float8_e4m3fn"),
+                        GS: T.Tensor((NT, GB2), "float32"), XG: T.Tensor((NT, 2 * H), "bfloat16"),
+                        WG: T.Tensor((NK,), "float32"), clamp: T.float32, flags: T.int32):
+        with T.Kernel(T.ceildiv(T.max(NT, NK), BM)) as by:
+            r0 = by * BM
+            rnd = (flags & ROUND_SF) != 0
+            for i in T.Parallel(BM):
+                if r0 + i < NK:
+                    if TTP[r0 + i] == -1:
+                        WG[r0 + i] = 0.0
+            if r0 < NT:
+                idx = T.alloc_fragment((BM,), "int32")
+                wr = T.alloc_fragment((BM,), "float32")
+                for i in T.Parallel(BM):
+                    idx[i] = T.if_then_else(r0 + i < NT, P2T[T.min(r0 + i, NT - 1)], -1)
+                    wr[i] = T.if_then_else(idx[i] >= 0, WT[T.max(idx[i], 0)], 0.0)
+                xq = T.alloc_fragment((BM, 2, GB2 // 2, G), "float32")
+                xs = T.alloc_fragment((BM, 2, GB2 // 2), "float32")
+                go = T.alloc_fragment((BM, H), "float32")
+                T.copy(XQ[r0, 0], T.reshape(xq, (BM, 2 * H)))
+                T.copy(XS[r0, 0], T.reshape(xs, (BM, GB2)))
+                T.copy(GO[r0, 0], go)
+                xv = T.reshape(xq, (BM, 2, H))
+                for i, h, g, k in T.Parallel(BM, 2, GB2 // 2, G):
+                    xq[i, h, g, k] = xq[i, h, g, k] * xs[i, h, g]
+                grad = T.alloc_fragment((BM, 2, GB2 // 2, G), "float32")
+                gv = T.reshape(grad, (BM, 2, H))
+                prod = T.alloc_fragment((BM, H), "float32")
+                out = T.alloc_fragment((BM, H), "float32")
+                for i, j in T.Parallel(BM, H):
+                    x = xv[i, 0, j]
+                    y = xv[i, 1, j]
+                    cx = x > clamp if use_clamp else False
+                    cyu = y > clamp if use_clamp else False
+                    cyl = y < -clamp if use_clamp else False
+                    if use_clamp:
+                        x = T.if_then_else(cx, clamp, x)
+                        y = T.if_then_else(cyu, clamp, T.if_then_else(cyl, -clamp, y))
+                    g = go[i, j]
+                    tmp = 1.0 + exp_f32(-x)
+                    act = x / tmp * y
+                    s = 1.0 / tmp
+                    gws = g * wr[i] * s
+                    prod[i, j] = g * act
+                    out[i, j] = act * wr[i]
+                    gx = gws * y * fma_f32(x, 1.0 - s, 1.0)
+                    gy = gws * x
+                    if use_clamp:
+                        gx = T.if_then_else(cx, 0.0, gx)
+                        gy = T.if_then_else(cyu or cyl, 0.0, gy)
+                    gv[i, 0, j] = gx
+                    gv[i, 1, j] = gy
+                T.copy(out, OUT[r0, 0])
+                T.copy(T.reshape(grad, (BM, 2 * H)), XG[r0, 0])
+                acc = T.alloc_fragment((BM, LANES), "float32")
+                lane_sum(prod, acc, BM, H)
+                for i in T.Parallel(BM):
+                    if idx[i] >= 0:
+                        WG[idx[i]] = acc[i, 0]
+                amax = T.alloc_fragment((BM, 2, GB2 // 2), "float32")
+                inv = T.alloc_fragment((BM, 2, GB2 // 2), "float32")
+                T.reduce_absmax(grad, amax, dim=3)
+                for i, h, g in T.Parallel(BM, 2, GB2 // 2):
+                    w_, v_, e_ = scale_of(amax[i, h, g], 448.0, 1e-4, rnd)
+                    inv[i, h, g] = v_
+                    if r0 + i < NT:
+                        GS[r0 + i, h * (GB2 // 2) + g] = T.reinterpret(w_, "float32")
+                q = T.alloc_fragment((BM, 2, GB2 // 2, G), "float8_e4m3fn")
+                for i, h, g, k in T.Parallel(BM, 2, GB2 // 2, G):
+                    q[i, h, g, k] = grad[i, h, g, k] * inv[i, h, g]
+                T.copy(T.reshape(q, (BM, 2 * H)), GQ[r0, 0])
+    return swiglu_backward
+
+
+# the ops -----------------------------------------------------------------------------------------------------------
+
+def _int32_vector(x, name, n=None):
+    t = _tk.torch()
+    _tk.check_tensor(x, name, (t.int32, t.int64), 1)
+    if n is not None and x.shape[0] != n:
+        raise ValueError(f"{name} must have {n} entries, got {x.shape[0]}")
+    return x.to(t.int32).contiguous()
+
+
+def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
+                                      pos_to_expert=None, use_tma_aligned_col_major_sf: bool = False,
+                                      round_sf: bool = False, use_packed_ue8m0: bool = False,
+                                      swiglu_clamp_value=None, clamped_count=None, sf_clamp_min=None):
+    """SwiGLU of x (num_expanded_tokens, 2 * hidden) fused with the per-token e4m3 cast: ``(out, sf)`` with
+    out * sf ~= silu(x[:, :hidden]) * x[:, hidden:], times ``topk_weights.view(-1)[pos_to_token_topk[row]]`` when
+    given (0 where the position is < 0). Rows whose ``pos_to_expert`` is < 0 are skipped (zeros). With
+    ``swiglu_clamp_value`` c: left <= c and |right| <= c first; ``clamped_count`` (int64 (3,)) gets the counts of
+    left > c, right > c and right < -c added. ``sf_clamp_min``: the amax floor (default 1e-4)."""
+    t = _tk.torch()
+    _tk.check_choice(fmt, "fmt", ("e4m3",))
+    flags = _tk.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    _tk.check_tensor(x, "x", (t.bfloat16, t.float32), 2)
+    if x.shape[1] % 256:
+        raise ValueError(f"x: the width 2 * hidden must be a multiple of 256, got {x.shape[1]}")
+    x = _tk.rows_stride1(x)
+    n, hidden = x.shape[0], x.shape[1] // 2
+    G = _tk.check_int(num_per_channels, "num_per_channels")
+    if G not in (128, hidden):
+        raise ValueError(f"num_per_channels must be 128 or hidden ({hidden}), got {G}")
+    with_weight = pos_to_token_topk is not None
+    if with_weight != (topk_weights is not None):
+        raise ValueError("pos_to_token_topk and topk_weights come together")
+    if with_weight:
+        p2t = _int32_vector(pos_to_token_topk, "pos_to_token_topk", n)
+        _tk.check_tensor(topk_weights, "topk_weights", (t.float32,), 2)
+        tw = topk_weights.contiguous().view(-1)
+    else:
+        p2t, tw = t.zeros(1, dtype=t.int32), t.zeros(1, dtype=t.float32)
+    p2e = _int32_vector(pos_to_expert, "pos_to_expert", n) if pos_to_expert is not None else t.zeros(1, dtype=t.int32)
+    clamp = 0.0 if swiglu_clamp_value is None else _tk.check_float(swiglu_clamp_value, "swiglu_clamp_value")
+    if clamped_count is not None:
+        if swiglu_clamp_value is None:
+            raise ValueError("clamped_count needs swiglu_clamp_value")
+        _tk.check_tensor(clamped_count, "clamped_count", (t.int64,), 1)
+        _tk.check_shape(clamped_count, "clamped_count", (3,))
+        if not clamped_count.is_contiguous():
+            raise ValueError("clamped_count must be contiguous")
+    cnt = clamped_count if clamped_count is not None else t.zeros(3, dtype=t.int64)
+    sf_min = 1e-4 if sf_clamp_min is None else _tk.check_float(sf_clamp_min, "sf_clamp_min")
+    out = t.empty((n, hidden), dtype=t.float8_e4m3fn)
+    sf_user, sf_k = _tk.alloc_sf(n, hidden // G, use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    if n > 0:
+        k = _tk.kernel(swiglu_forward, hidden, G, "bfloat16" if x.dtype == t.bfloat16 else "float32", with_weight,
+                       pos_to_expert is not None, swiglu_clamp_value is not None, clamped_count is not None)
+        k(x, out, sf_k, p2t, tw, p2e, cnt, clamp, sf_min, flags)
+    return out, sf_user
+
+
+def swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                       num_per_channels: int, round_sf: bool = False, swiglu_clamp_value=None):
+    """SwiGLU backward from the e4m3 forward input ``x = (q, sf)`` (num_expand_tokens, 2 * hidden), sf float32
+    (num_expand_tokens, 2 * hidden / num_per_channels); grad_out bf16 (num_expand_tokens, hidden); weight float32
+    (num_tokens, num_topk). Returns ``(out, (x_grad_fp8, x_grad_sf), x_grad, weight_grad)``: out = silu(l) * r * w
+    (bf16), x_grad bf16 and its per-token e4m3 cast, weight_grad = sum over the row of grad_out * silu(l) * r."""
+    t = _tk.torch()
+    G = _tk.check_int(num_per_channels, "num_per_channels", choices=(32, 128))
+    flags = _tk.check_sf_flags(False, round_sf, False)
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise TypeError("x must be a pair (q, sf)")
+    q, sf = x
+    _tk.check_tensor(q, "x[0]", (t.float8_e4m3fn,), (2, 3))
+    q = q.reshape(-1, q.shape[-1]).contiguous()
+    if q.shape[1] % (2 * G):
+        raise ValueError(f"x[0]: the width must be a multiple of 2 * num_per_channels, got {q.shape[1]}")
+    n, hidden = q.shape[0], q.shape[1] // 2
+    if hidden % 32:
+        raise ValueError(f"x[0]: hidden must be a multiple of 32, got {hidden}")
+    _tk.check_tensor(sf, "x[1]", (t.float32,), 2)
+    _tk.check_shape(sf, "x[1]", (n, 2 * hidden // G))
+    _tk.check_tensor(grad_out, "grad_out", (t.bfloat16,))
+    grad_out = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    _tk.check_shape(grad_out, "grad_out", (n, hidden))
+    _tk.check_tensor(weight, "weight", (t.float32,), 2)
+    _tk.check_tensor(token_topk_to_pos, "token_topk_to_pos", (t.int32, t.int64), 2)
+    _tk.check_shape(token_topk_to_pos, "token_topk_to_pos", tuple(weight.shape))
+    p2t = _int32_vector(pos_to_token_topk, "pos_to_token_topk", n)
+    clamp = 0.0 if swiglu_clamp_value is None else _tk.check_float(swiglu_clamp_value, "swiglu_clamp_value")
+    out = t.empty((n, hidden), dtype=t.bfloat16)
+    gq = t.empty((n, 2 * hidden), dtype=t.float8_e4m3fn)
+    gs = t.empty((n, 2 * hidden // G), dtype=t.float32)
+    xg = t.empty((n, 2 * hidden), dtype=t.bfloat16)
+    wg = t.empty(weight.shape, dtype=t.float32)
+    if max(n, weight.numel()) > 0:
+        k = _tk.kernel(swiglu_backward, hidden, G, swiglu_clamp_value is not None)
+        k(q, sf.contiguous(), grad_out, weight.contiguous().view(-1), p2t,
+          token_topk_to_pos.to(t.int32).contiguous().view(-1), out, gq, gs, xg, wg.view(-1), clamp, flags)
+    return out, (gq, gs), xg, wg
