@@ -190,15 +190,17 @@ def _block_m(m: int) -> int:
     return b
 
 
-def _chunk_k(k: int, block_m: int, fp8: bool) -> int:
-    """K staged per copy: long for few rows (streams B rows), a multiple of 128 dividing align(k, 128) for fp8."""
+def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
+    """(block_m, block_n, chunk_k) for m rows: few rows take the next power of two (a decode step computes no idle
+    rows), many take 256 x 128 tiles (128-row blocks for grouped layouts, whose groups are aligned to 128)."""
+    bm = _block_m(m) if m < 256 or grouped else 256
+    if grouped:
+        bm = min(bm, _grouped_block_m())
     if not fp8:
-        return 256 if k > 128 else 128
+        return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
     kb = ceil_div(k, SF_K)
-    for c in ((8, 4, 2, 1) if block_m <= 16 else (2, 1)):
-        if kb % c == 0:
-            return c * SF_K
-    return SF_K
+    ck = next(c for c in ((4, 2, 1) if bm <= 64 else (2, 1)) if kb % c == 0) * SF_K
+    return bm, 128, ck
 
 
 _DUMMY = {}
@@ -239,10 +241,9 @@ def _fp8_gemm(a, b, d, c, recipe, recipe_a, recipe_b):
     sfa, sfb = _match_scales(sfa, sfb)
     a_s, ta = _storage("a", a)
     b_s, tb = _storage("b", b)
-    bm = _block_m(m)
-    ck = _chunk_k(k, bm, True)
+    bm, bn, ck = _tiles(m, k, True)
     kern = _kernel(K_.mk_gemm, "dense", n, k, 1, "float8_e4m3fn", ta, not tb, _dt(d.dtype), acc,
-                   _dt(sfa.dtype), sfa.shape[-1], sfb.shape[0], sfb.shape[-1], bm, 128, ck)
+                   _dt(sfa.dtype), sfa.shape[-1], sfb.shape[0], sfb.shape[-1], bm, bn, ck)
     kern(a_s, sfa, b_s.unsqueeze(0), sfb.unsqueeze(0), d, _dummy((1,), torch.int32))
 
 
@@ -264,9 +265,9 @@ def _bf16_gemm(a, b, d, c):
         return
     a_s, ta = _storage("a", a)
     b_s, tb = _storage("b", b)
-    bm = _block_m(m)
+    bm, bn, ck = _tiles(m, k, False)
     kern = _kernel(K_.mk_gemm, "dense", n, k, 1, "bfloat16", ta, not tb, _dt(d.dtype), acc,
-                   "float32", 1, 1, 1, bm, 128, _chunk_k(k, bm, False))
+                   "float32", 1, 1, 1, bm, bn, ck)
     kern(a_s, _dummy((1, 1), torch.float32), b_s.unsqueeze(0), _dummy((1, 1, 1), torch.float32), d,
          _dummy((1,), torch.int32))
 
@@ -411,13 +412,14 @@ def _m_grouped_contiguous(a, b, d, grouped_layout, use_psum_layout, fp8, recipe=
     if not a.is_contiguous():
         raise ValueError("a: expected a contiguous (K-major) tensor")
     b_s, tb = _storage("b", b)
+    _, bn, ck = _tiles(bm, k, fp8, grouped=True)
     if fp8:
         kern = _kernel(K_.mk_gemm, "contiguous", n, k, groups, "float8_e4m3fn", False, not tb, "bfloat16", False,
-                       _dt(sfa.dtype), sfa.shape[-1], sfb.shape[-2], sfb.shape[-1], bm, 128, _chunk_k(k, bm, True))
+                       _dt(sfa.dtype), sfa.shape[-1], sfb.shape[-2], sfb.shape[-1], bm, bn, ck)
         kern(a, sfa, b_s, sfb, d, rows)
     else:
         kern = _kernel(K_.mk_gemm, "contiguous", n, k, groups, "bfloat16", False, not tb, "bfloat16", False,
-                       "float32", 1, 1, 1, bm, 128, _chunk_k(k, bm, False))
+                       "float32", 1, 1, 1, bm, bn, ck)
         kern(a, _dummy((1, 1), torch.float32), b_s, _dummy((1, 1, 1), torch.float32), d, rows)
 
 
@@ -503,14 +505,15 @@ def _m_grouped_masked(a, b, d, masked_m, expected_m, fp8, recipe=None, recipe_a=
     for name, x in (("a", a), ("b", b)):
         if not x.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous (K-major) tensor")
-    bm = min(64, _block_m(min(expected_m, m)))  # counts vary around expected_m: smaller blocks waste fewer rows
+    # counts vary around expected_m: blocks of at most 64 rows waste fewer of them
+    bm, bn, ck = _tiles(min(expected_m, m, 64), k, fp8)
     if fp8:
         kern = _kernel(K_.mk_gemm, "masked", n, k, groups, "float8_e4m3fn", False, True, "bfloat16", False,
-                       _dt(sfa.dtype), sfa.shape[-1], sfb.shape[-2], sfb.shape[-1], bm, 128, _chunk_k(k, bm, True))
+                       _dt(sfa.dtype), sfa.shape[-1], sfb.shape[-2], sfb.shape[-1], bm, bn, ck)
         kern(a, sfa, b, sfb, d, masked_m)
     else:
         kern = _kernel(K_.mk_gemm, "masked", n, k, groups, "bfloat16", False, True, "bfloat16", False,
-                       "float32", 1, 1, 1, bm, 128, _chunk_k(k, bm, False))
+                       "float32", 1, 1, 1, bm, bn, ck)
         kern(a, _dummy((1, 1), torch.float32), b, _dummy((1, 1, 1), torch.float32), d, masked_m)
 
 
