@@ -124,8 +124,7 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
         """This rank's raw nvl (or rdma) region as a ``dtype`` tensor, from element ``offset``."""
         import torch
-        seg = self._comm.shm.segs.get(self.rank) if self._comm.shm else None
-        if seg is None:
+        if self._comm.shm is None or self.rank not in self._comm.shm.segs:
             raise RuntimeError("tegula.ep: this rank has no shared-memory segment (all its peers are remote)")
         start, nbytes = (self._rdma_at, self.num_rdma_bytes) if use_rdma_buffer else (CTRL_BYTES, self.num_nvl_bytes)
         t = self._comm.region(self.rank, start, nbytes, ((0, nbytes),)).view(dtype)[offset:]
@@ -418,23 +417,31 @@ class Buffer:
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         if len(biases) > 2 or any(tuple(b.shape) != (t, hidden) or b.dtype != x.dtype for b in biases):
             raise ValueError(f"tegula.ep: combine: bias must be one or two [{t}, {hidden}] {x.dtype} tensors")
-        self._exchange("combine", [OP_COMBINE, hidden, dtype_code(x.dtype), k],
-                       ("operation", "hidden", "x dtype", "num_topk"), [], x.device)
+        x_c = x.contiguous()
+        w_c = topk_weights.contiguous() if k else None
+        x_at = self._comm.window_offset(x_c)  # x inside this rank's segment: the owners read it there
+        m = self._exchange("combine", [OP_COMBINE, hidden, dtype_code(x.dtype), k],
+                           ("operation", "hidden", "x dtype", "num_topk"), [-1 if x_at is None else x_at], x.device)
+        kinds = self._comm.kinds
+
+        def in_place(r, s):  # whether rank s reads rank r's rows where they are, instead of r copying them over
+            return r != s and m[r, 4] >= 0 and kinds[s][r] == "shm"
 
         # rank s gets back the rows of every other rank r, in rank order; block r starts at back[s][r]
         back = [[int(sum(counts[s, q] for q in range(r) if q != s)) for r in range(r_n)] for s in range(r_n)]
         plans = [combine_plan(int(counts[s].sum() - counts[s, s]), hidden, x.dtype, k) for s in range(r_n)]
-        first = exclusive(prefix)[:, me]  # the rows rank s sent begin at x[first[s]]
-        x_c = x.contiguous()
-        w_c = topk_weights.contiguous() if k else None
+        first = exclusive(prefix)  # first[s, r]: the rows rank r received from rank s begin at its x[first[s, r]]
 
         def payload(s):
-            a, n = int(first[s]), int(counts[s, me])
-            return {"x": x_c[a:a + n], "topk_weights": w_c[a:a + n]} if k else {"x": x_c[a:a + n]}
+            a, n = int(first[s, me]), int(counts[s, me])
+            out = {} if in_place(me, s) else {"x": x_c[a:a + n]}
+            if k:
+                out["topk_weights"] = w_c[a:a + n]
+            return out
 
         def spans(s):
-            row0 = back[s][me]
-            return [] if s == me else [plans[s].span(f, row0, row0 + counts[s, me]) for f in plans[s].fields]
+            row0, n = back[s][me], counts[s, me]
+            return [] if s == me else [plans[s].span(f, row0, row0 + n) for f in payload(s)]
 
         def write(views, s):
             if s != me:
@@ -448,12 +455,29 @@ class Buffer:
                           [(f, shape[1:], dtype) for f, (_, shape, dtype, _) in plans[me].fields.items()],
                           payload, counts[:, me], counts[me], place)
 
-        # token t's rows: its own (row first[me] + send_head[t, me] of x) and each other rank's, in rank order
-        offs = torch.tensor([int(first[me]) if r == me else x_c.shape[0] + back[me][r] for r in range(r_n)],
-                            dtype=torch.int32, device=x.device)
-        idx = torch.where(send_head >= 0, send_head + offs, -1).to(torch.int32)
-        combined = kernels.gather_sum(x_c, mine["x"], idx, None, tuple(b.contiguous() for b in biases))
-        combined_w = kernels.gather_sum(w_c, mine["topk_weights"], idx, small=True) if k else None
+        # token t's rows, in rank order: its own at x[first[me, me] + send_head[t, me]], the others' where they
+        # came back to, or in place in their segments; flat element offsets into the window (or what arrived)
+        window = self._comm.shm.win.view(x.dtype) if self._comm.window_offset(mine["x"]) is not None else None
+        flat = window if window is not None else mine["x"].view(-1)
+        es, na = x.element_size(), x_c.shape[0]
+        here = (self._comm.window_offset(mine["x"]) // es) if window is not None else 0
+        offs = [int(first[me, me]) if r == me else
+                na + int(m[r, 4]) // es + int(first[me, r]) * hidden if in_place(r, me) else
+                na + here + back[me][r] * hidden for r in range(r_n)]
+        scale = torch.tensor([1 if r == me else hidden for r in range(r_n)], dtype=torch.int64, device=x.device)
+        head = send_head.long()
+        idx = torch.where(head >= 0, head * scale + torch.tensor(offs, dtype=torch.int64, device=x.device), -1)
+        combined = kernels.gather_sum(x_c, flat, idx, None, tuple(b.contiguous() for b in biases))
+        combined_w = None
+        if k:
+            w_offs = torch.tensor([int(first[me, me]) if r == me else w_c.shape[0] + back[me][r] * k
+                                   for r in range(r_n)], dtype=torch.int64, device=x.device)
+            w_idx = torch.where(head >= 0, head * torch.where(scale == 1, 1, k) + w_offs, -1)
+            combined_w = kernels.gather_sum(w_c, mine["topk_weights"].view(-1), w_idx, small=True)
+        read_from = [r for r in range(r_n) if in_place(r, me)]
+        read_by = [s for s in range(r_n) if in_place(me, s)]
+        if read_from or read_by:
+            self._comm.release("combine", read_from, read_by)
         return combined, combined_w, EventOverlap()
 
 

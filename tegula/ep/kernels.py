@@ -30,17 +30,17 @@ def copy_rows_kernel(dtype: str):
 @tegula.jit(target="c")
 def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
     """Y[t, :] = bias0[t] + bias1[t] + sum_s w[t, s] * R(idx[t, s]), summed in float32 in order s = 0..S-1 and
-    rounded once to ``dtype``. R(i) is A[i] for 0 <= i < Na (A's rows), B[i - Na] for i >= Na; i < 0 adds nothing.
-    ``weighted=False`` drops w (every weight 1); ``nbias`` of the two bias tensors are read. Columns go ``block``
-    at a time (H % block == 0) so the float32 accumulator stays in L1."""
+    rounded once to ``dtype``. R(i) is the row A[i] for 0 <= i < Na, and the H elements of the flat B from
+    element i - Na for i >= Na; i < 0 adds nothing. ``weighted=False`` drops w (every weight 1); ``nbias`` of the
+    two bias tensors are read. Columns go ``block`` at a time (H % block == 0): the accumulator stays in L1."""
     Na = T.dynamic("Na")
-    Nb = T.dynamic("Nb")
+    Nb = T.dynamic("Nb", "int64")
     N = T.dynamic("N")
     H = T.dynamic("H")
     S = T.dynamic("S")
 
     @T.prim_func
-    def gather_sum(A: T.Tensor((Na, H), dtype), B: T.Tensor((Nb, H), dtype), idx: T.Tensor((N, S), "int32"),
+    def gather_sum(A: T.Tensor((Na, H), dtype), B: T.Tensor((Nb,), dtype), idx: T.Tensor((N, S), "int64"),
                    w: T.Tensor((N, S), "float32"), bias0: T.Tensor((N, H), dtype), bias1: T.Tensor((N, H), dtype),
                    Y: T.Tensor((N, H), dtype)):
         with T.Kernel(N, threads=128) as t:
@@ -60,10 +60,10 @@ def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
                     if i >= Na:
                         if weighted:
                             for j in T.Parallel(block):
-                                acc[j] += w[t, s] * B[i - Na, c * block + j]
+                                acc[j] += w[t, s] * B[i - Na + c * block + j]
                         else:
                             for j in T.Parallel(block):
-                                acc[j] += B[i - Na, c * block + j]
+                                acc[j] += B[i - Na + c * block + j]
                     elif i >= 0:
                         if weighted:
                             for j in T.Parallel(block):
@@ -137,10 +137,11 @@ def copy_rows(x, src, dst, y) -> None:
 
 
 def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
-    """out[t] = sum(bias) + sum_s w[t, s] * row(idx[t, s]) in float32, in order, rounded once to a's dtype; row(i)
-    is a[i] below a.shape[0], b[i - a.shape[0]] above, nothing for i < 0. Shapes: a [Na, H], b [Nb, H],
-    idx [N, S] int32, w [N, S] float32 or None (weights 1), bias: up to two [N, H] tensors. Contiguous inputs.
-    ``small``: a few columns (top-k weights), not worth a kernel."""
+    """out[t] = sum(bias) + sum_s w[t, s] * row(idx[t, s]) in float32, in order, rounded once to a's dtype.
+    row(i) is a[i] for 0 <= i < a.shape[0]; for larger i the H elements of the flat ``b`` from element
+    i - a.shape[0] (so b can be any memory holding rows, such as the window of every segment); i < 0 adds nothing.
+    Shapes: a [Na, H], b 1-D, idx [N, S] int64, w [N, S] float32 or None (weights 1), bias: up to two [N, H]
+    tensors; all contiguous. ``small``: a few columns (top-k weights), not worth a kernel."""
     import torch
     n, s = idx.shape
     h = a.shape[1]
@@ -150,14 +151,15 @@ def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
         return out
     if small or not _compiled(a):
         return _gather_sum_torch(a, b, idx, w, bias, out)
-    if not a.shape[0]:  # every index >= 0 points into b: let b stand for both sides
-        a = b if b.shape[0] else out[:1]
-    if not b.shape[0]:  # never indexed; the kernel still wants rows
-        b = a
+    na = a.shape[0]
+    if na == 0:  # the kernel wants a row: borrow the output's first (never read, no index is below Na = 1)
+        a, idx = out[:1], torch.where(idx >= 0, idx + 1, idx)
+    if b.numel() == 0:
+        b = a.view(-1)
     block = next(c for c in (256, 32, 8, 1) if h % c == 0)
     k = gather_sum_kernel(str(a.dtype)[6:], w is not None, len(bias), block)
-    unread = idx.view(torch.float32)  # the kernel's w / bias parameters when they are not used
-    k(a, b, idx, w if w is not None else unread, bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
+    unread = idx.view(torch.float32)[:, ::2] if w is None else w  # the kernel's w and bias when they are not used
+    k(a, b, idx, unread.contiguous(), bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
     return out
 
 
@@ -166,14 +168,16 @@ def _gather_sum_torch(a, b, idx, w, bias, out):
     acc = torch.zeros(tuple(out.shape), dtype=torch.float32, device=out.device)
     for bi in bias:
         acc += bi.float()
-    rows = torch.cat([a, b]) if b.shape[0] else a
+    na, h = a.shape
     for s in range(idx.shape[1]):
-        i = idx[:, s].long()
-        hit = (i >= 0).nonzero().squeeze(1)
-        if hit.numel():
-            v = rows.index_select(0, i[hit]).float()
-            if w is not None:
-                v = v * w[hit, s].unsqueeze(1)
-            acc.index_add_(0, hit, v)
+        i = idx[:, s]
+        for hit, rows in (((i >= 0) & (i < na), lambda at: a.index_select(0, at)),
+                          (i >= na, lambda at: b[(at - na).unsqueeze(1) + torch.arange(h, device=b.device)])):
+            hit = hit.nonzero().squeeze(1)
+            if hit.numel():
+                v = rows(i[hit]).float()
+                if w is not None:
+                    v = v * w[hit, s].unsqueeze(1)
+                acc.index_add_(0, hit, v)
     out.copy_(acc)
     return out

@@ -139,7 +139,8 @@ def combine(buf, x, topk_idx, topk_weights, handle, out):
     def rows_for(s):  # (rows of xf, rows at s) of this rank's experts' outputs for s's tokens
         c = torch.from_numpy(counts[s, lo:hi])
         src = ranges(torch.from_numpy((lr[:, s] >> 32) + np.arange(n_local) * rows), c)
-        return src.to(torch.int32), ranges(torch.from_numpy(start[s, lo:hi]), c).to(torch.int32)
+        dst = ranges(torch.from_numpy(start[s, lo:hi]), c)
+        return src.to(torch.int32).to(x.device), dst.to(torch.int32).to(x.device)
 
     def spans(s):
         return [] if s == me else [plans[s].span("x", start[s, lo], start[s, lo] + counts[s, lo:hi].sum())]
@@ -159,11 +160,11 @@ def combine(buf, x, topk_idx, topk_weights, handle, out):
     # each pair's row: this rank's own experts' outputs straight from x, the others from what came back
     own = (experts // n_local) == me
     e_local = (experts - lo).clamp(0, n_local - 1)
-    here = e_local * rows + torch.from_numpy(lr >> 32)[e_local, me] + pos
-    there = xf.shape[0] + torch.from_numpy(start[me])[experts] + pos
-    idx = torch.full((t * k,), -1, dtype=torch.int32)
-    idx[order] = torch.where(own, here, there).to(torch.int32)
-    combined = kernels.gather_sum(xf, mine["x"], idx.view(t, k), topk_weights.contiguous(), (), out)
+    here = e_local * rows + torch.from_numpy(lr >> 32).to(x.device)[e_local, me] + pos
+    there = xf.shape[0] + (torch.from_numpy(start[me]).to(x.device)[experts] + pos) * hidden  # into mine["x"]
+    idx = torch.full((t * k,), -1, dtype=torch.int64, device=x.device)
+    idx[order] = torch.where(own, here, there)
+    combined = kernels.gather_sum(xf, mine["x"].view(-1), idx.view(t, k), topk_weights.contiguous(), (), out)
     return combined, EventOverlap(), completed_hook
 
 
@@ -182,7 +183,8 @@ def _write(views, rows, j, within, x, scales, src_tok):
     if scales is not None:  # stored [E_local, S, R*M]: column-major per expert
         values = scales[0].index_select(0, scales[1].long()) if isinstance(scales, tuple) else scales
         cols = views["x_scales"].shape[1]
-        at = j.unsqueeze(1) * (cols * rows) + torch.arange(cols).unsqueeze(0) * rows + within.unsqueeze(1)
+        at = j.unsqueeze(1) * (cols * rows) + torch.arange(cols, device=j.device).unsqueeze(0) * rows + \
+            within.unsqueeze(1)
         views["x_scales"].view(-1)[at.reshape(-1)] = values.reshape(-1)
 
 

@@ -1,18 +1,19 @@
-"""Shared-memory segments between the ranks of one machine: one per rank, of a fixed maximum size, mapped by
-every rank of the machine.
+"""Shared-memory segments between the ranks of one machine: one per rank, of a fixed maximum size.
 
-A segment starts with a control block (owner pid, the owner's op counter, an abort word and message, one "done"
-counter per sender, the owner's published metadata) followed by its data regions. Senders copy rows straight
-into the receiver's region and then bump their done counter there; the receiver hands its region out as views.
+Every process maps every segment of its machine into one window of address space, rank r's at r * size, so a
+row anywhere on the machine is an offset from one base (combine reads peers' rows in place through it). A
+segment starts with a control block (magic, owner pid, the owner's op counter, an abort word and message, one
+"done" and one "freed" counter per peer, the owner's published metadata); its data regions follow. Senders copy
+rows straight into the receiver's region and then bump their done counter there.
+
 Segments are sparse files: a writer reserves (fallocates) the bytes it is about to write, so a full /dev/shm is
 an error, never a SIGBUS. Names are unlinked as soon as every rank has mapped them, so a killed rank leaks
-nothing; the memory goes away with the last mapping.
-
-The counters are plain 64-bit stores and loads ordered by the machine (x86-64 is TSO; the kernels that write
-the rows join their threads before the counter is bumped).
+nothing; the memory goes away with the last mapping. The counters are plain 64-bit stores and loads ordered by
+the machine (x86-64 is TSO; the kernels that write the rows join their threads before a counter is bumped).
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -20,10 +21,13 @@ import time
 MAGIC = 0x7465_6775_6c61_6570  # "tegulaep"
 CTRL_BYTES = 2 << 20  # control block: the data regions start 2 MiB in
 _CHUNK = 2 << 20  # reservation granule
-_MSG_AT, _MSG_BYTES = 4096, 2048
-_META_AT = 8192
+MAX_RANKS = 1024
+_PID, _SEQ, _ABORT, _MSGLEN = 1, 2, 3, 4  # word offsets
+_DONE, _FREED = 64, 64 + MAX_RANKS  # one counter per rank: rows delivered, rows finished with
+_MSG_AT, _MSG_BYTES = 20480, 2048  # byte offsets
+_META_AT = 24576
 META_WORDS = (CTRL_BYTES - _META_AT) // 8
-_PID, _SEQ, _ABORT, _MSGLEN, _DONE = 1, 2, 3, 4, 16  # word offsets; done counters from word 16, one per rank
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000  # Linux
 
 
 def shm_dir() -> str:
@@ -34,46 +38,12 @@ class PeerFailure(RuntimeError):
     """A peer rank died, hung past the timeout, or aborted the operation."""
 
 
-class Segment:
-    """One rank's segment, as mapped in this process."""
-
-    def __init__(self, path: str, size: int, create: bool):
-        import numpy as np
-        import torch
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self.fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(self.fd, size)
-                _reserve(self.fd, 0, CTRL_BYTES, path)
-            elif os.fstat(self.fd).st_size != size:
-                raise OSError(f"{path}: size {os.fstat(self.fd).st_size}, expected {size}")
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.path, self.size = path, size
-        self.words = np.frombuffer(self.mm, dtype=np.int64, count=CTRL_BYTES // 8)
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.chunks = np.zeros(-(-size // _CHUNK), dtype=bool)  # which 2 MiB chunks are known to be backed
-        self.chunks[:CTRL_BYTES // _CHUNK] = True
-
-    def reserve(self, start: int, end: int) -> None:
-        """Back bytes [start, end) with memory before they are written: a full /dev/shm raises OSError here
-        instead of killing the process with SIGBUS on first touch."""
-        lo, hi = start // _CHUNK, -(-end // _CHUNK)
-        if end <= start or self.chunks[lo:hi].all():
-            return
-        _reserve(self.fd, lo * _CHUNK, min(hi * _CHUNK, self.size) - lo * _CHUNK, self.path)
-        self.chunks[lo:hi] = True
-
-    def close(self) -> None:
-        self.words = self.bytes = None
-        try:
-            self.mm.close()
-        except BufferError:  # views handed out still hold the mapping; it goes with them
-            pass
-        os.close(self.fd)
+def _libc_mmap():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return fn
 
 
 def _reserve(fd: int, offset: int, length: int, path: str) -> None:
@@ -85,11 +55,10 @@ def _reserve(fd: int, offset: int, length: int, path: str) -> None:
 
 
 def _proc_start(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (identifies the process across pid reuse), or None."""
+    """The kernel's start time of ``pid`` (tells the process apart from a later one with its pid), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat.rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
 
@@ -103,114 +72,167 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
 
 
+class Segment:
+    """One rank's segment as mapped here: its file and which 2 MiB chunks are known to be backed."""
+
+    def __init__(self, fd: int, path: str, size: int):
+        import numpy as np
+        self.fd, self.path, self.size = fd, path, size
+        self.chunks = np.zeros(-(-size // _CHUNK), dtype=bool)
+        self.chunks[:CTRL_BYTES // _CHUNK] = True
+
+    def reserve(self, start: int, end: int) -> None:
+        """Back bytes [start, end) with memory before they are written: a full /dev/shm raises OSError here
+        instead of killing the process with SIGBUS on first touch."""
+        lo, hi = start // _CHUNK, -(-end // _CHUNK)
+        if end <= start or self.chunks[lo:hi].all():
+            return
+        _reserve(self.fd, lo * _CHUNK, min(hi * _CHUNK, self.size) - lo * _CHUNK, self.path)
+        self.chunks[lo:hi] = True
+
+
 class ShmGroup:
-    """The segments of this machine's ranks, as seen by ``rank``: ``segs[r]`` for every rank r mapped here."""
+    """The segments of this machine's ranks as seen by ``rank``: ``segs[r]`` for every rank r mapped here, its
+    bytes at ``win[r * size:(r + 1) * size]``."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float):
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, rank: int, world: int, size: int, timeout_s: float):
+        import numpy as np
+        import torch
+        self.rank, self.world, self.size, self.timeout_s = rank, world, size, timeout_s
+        self.window = mmap.mmap(-1, world * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.win = torch.frombuffer(self.window, dtype=torch.uint8)
+        self._words = np.frombuffer(self.window, dtype=np.int64)
         self.segs: dict[int, Segment] = {}
-        self.pids: dict[int, tuple[int, str | None]] = {}
+        self.pids: dict[int, tuple[int | None, str | None]] = {}
         self.seq = 0
-
-    # setup -------------------------------------------------------------------------------------------------
 
     @staticmethod
     def path(prefix: str, rank: int) -> str:
         return os.path.join(shm_dir(), f"tegula-ep-{prefix}-{rank}")
 
-    def create(self, prefix: str, size: int) -> None:
-        seg = Segment(self.path(prefix, self.rank), size, create=True)
-        seg.words[_PID] = os.getpid()
-        seg.words[0] = MAGIC
-        self.segs[self.rank] = seg
+    def words(self, rank: int):
+        """``rank``'s control block as int64 words."""
+        at = rank * self.size // 8
+        return self._words[at:at + CTRL_BYTES // 8]
 
-    def attach(self, prefix: str, rank: int, size: int, pid: int, start: str | None) -> bool:
+    def bytes(self, rank: int, offset: int, nbytes: int):
+        return self.win[rank * self.size + offset:rank * self.size + offset + nbytes]
+
+    def _map(self, rank: int, path: str, create: bool) -> None:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.size)
+                _reserve(fd, 0, CTRL_BYTES, path)
+            elif os.fstat(fd).st_size != self.size:
+                raise OSError(f"{path}: size {os.fstat(fd).st_size}, expected {self.size}")
+            want = self.win.data_ptr() + rank * self.size
+            got = _libc_mmap()(want, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+            if got != want:
+                raise OSError(ctypes.get_errno(), f"{path}: mmap at a fixed address failed")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.segs[rank] = Segment(fd, path, self.size)
+
+    def create(self, prefix: str) -> None:
+        self._map(self.rank, self.path(prefix, self.rank), create=True)
+        w = self.words(self.rank)
+        w[_PID] = os.getpid()
+        w[0] = MAGIC
+
+    def attach(self, prefix: str, rank: int, pid: int, start: str | None) -> bool:
         """Map ``rank``'s segment; False when it cannot be opened from here (another machine or namespace)."""
         try:
-            seg = Segment(self.path(prefix, rank), size, create=False)
+            self._map(rank, self.path(prefix, rank), create=False)
         except OSError:
             return False
-        if int(seg.words[0]) != MAGIC or int(seg.words[_PID]) != pid:
-            seg.close()
+        w = self.words(rank)
+        if int(w[0]) != MAGIC or int(w[_PID]) != pid:
             return False
-        self.segs[rank] = seg
-        # the pid is only meaningful if this process sees the same process under it
+        # the pid only means something if this process sees that same process under it
         self.pids[rank] = (pid, start) if start is not None and _proc_start(pid) == start else (None, None)
         return True
 
+    def reserve(self, rank: int, start: int, end: int) -> None:
+        self.segs[rank].reserve(start, end)
+
     def close(self) -> None:
         for seg in self.segs.values():
-            seg.close()
+            os.close(seg.fd)
         self.segs.clear()
+        self._words = self.win = None
+        try:
+            self.window.close()
+        except BufferError:  # views handed out still hold the window; it is unmapped with the last of them
+            pass
 
     # the per-operation protocol ----------------------------------------------------------------------------
 
     def publish(self, meta) -> None:
         """Enter the next operation: publish this rank's metadata (int64 values) and bump its op counter."""
-        own = self.segs[self.rank].words
         if len(meta) > META_WORDS:
             raise ValueError(f"tegula.ep: {len(meta)} metadata words exceed the control block ({META_WORDS})")
+        own = self.words(self.rank)
         self.seq += 1
         own[_META_AT // 8:_META_AT // 8 + len(meta)] = meta
         own[_SEQ] = self.seq
 
     def read_meta(self, rank: int, n: int):
-        return self.segs[rank].words[_META_AT // 8:_META_AT // 8 + n].copy()
+        return self.words(rank)[_META_AT // 8:_META_AT // 8 + n].copy()
 
-    def signal_done(self, ranks) -> None:
-        """Tell each receiver in ``ranks`` that this rank's rows for the current operation are in place."""
+    def signal(self, ranks, freed: bool = False) -> None:
+        """Tell each rank in ``ranks`` that this rank's rows for the current operation are in place (or, with
+        ``freed``, that this rank has finished reading theirs)."""
+        at = (_FREED if freed else _DONE) + self.rank
         for r in ranks:
-            self.segs[r].words[_DONE + self.rank] = self.seq
+            self.words(r)[at] = self.seq
 
     def wait_entered(self, ranks, what: str) -> None:
         """Wait until every rank in ``ranks`` has entered the current operation."""
-        self._wait(ranks, lambda r: self.segs[r].words[_SEQ], what, "to enter it")
+        self._wait(ranks, lambda r: self.words(r)[_SEQ], what, "to enter it")
 
-    def wait_done(self, ranks, what: str) -> None:
-        """Wait until every rank in ``ranks`` has written its rows for the current operation here."""
-        own = self.segs[self.rank].words
-        self._wait(ranks, lambda r: own[_DONE + r], what, "to deliver its rows")
+    def wait_signals(self, ranks, what: str, freed: bool = False) -> None:
+        """Wait for the signal of every rank in ``ranks`` (see ``signal``)."""
+        own, base = self.words(self.rank), _FREED if freed else _DONE
+        self._wait(ranks, lambda r: own[base + r], what, "to finish reading" if freed else "to deliver its rows")
 
     def abort(self, message: str) -> None:
         """Tell the peers this rank has given up on the current operation (they raise instead of waiting)."""
-        seg = self.segs.get(self.rank)
-        if seg is None or seg.words is None:
+        if self.rank not in self.segs or self.win is None:
             return
         data = message.encode()[:_MSG_BYTES]
-        seg.mm[_MSG_AT:_MSG_AT + len(data)] = data
-        seg.words[_MSGLEN] = len(data)
-        seg.words[_ABORT] = 1
+        self.window[self.rank * self.size + _MSG_AT:self.rank * self.size + _MSG_AT + len(data)] = data
+        w = self.words(self.rank)
+        w[_MSGLEN] = len(data)
+        w[_ABORT] = 1
 
     def _check_peers(self, what: str) -> None:
-        for r, seg in self.segs.items():
-            if r != self.rank and seg.words[_ABORT]:
-                n = int(seg.words[_MSGLEN])
-                msg = seg.mm[_MSG_AT:_MSG_AT + n].decode(errors="replace")
+        for r in self.segs:
+            w = self.words(r)
+            if r != self.rank and w[_ABORT]:
+                at = r * self.size + _MSG_AT
+                msg = self.window[at:at + int(w[_MSGLEN])].decode(errors="replace")
                 raise PeerFailure(f"tegula.ep: {what}: rank {r} aborted: {msg}")
 
     def _wait(self, ranks, value, what: str, goal: str) -> None:
         pending = [r for r in ranks if value(r) < self.seq]
-        if not pending:
-            return
         start = time.monotonic()
         next_check, polls = start + 0.01, 0
         while pending:
-            pending = [r for r in pending if value(r) < self.seq]
-            if not pending:
-                return
             polls += 1
-            if polls < 64:
-                continue
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + 0.01
-                self._check_peers(what)
-                for r in pending:
-                    pid, st = self.pids.get(r, (None, None))
-                    if pid is not None and not _alive(pid, st):
-                        raise PeerFailure(f"tegula.ep: {what}: rank {r} (pid {pid}) exited while this rank "
-                                          f"(rank {self.rank}) waited for it {goal}")
-                if now - start > self.timeout_s:
-                    raise PeerFailure(f"tegula.ep: {what}: timed out after {self.timeout_s:g} s waiting for rank "
-                                      f"{pending[0]} {goal} (rank {self.rank}, operation {self.seq})")
-            time.sleep(0 if now - start < 2e-3 else 1e-4)
+            if polls > 64:  # spin briefly, then yield the core
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + 0.01
+                    self._check_peers(what)
+                    for r in pending:
+                        pid, st = self.pids.get(r, (None, None))
+                        if pid is not None and not _alive(pid, st):
+                            raise PeerFailure(f"tegula.ep: {what}: rank {r} (pid {pid}) exited while rank {self.rank} "
+                                              f"waited for it {goal}")
+                    if now - start > self.timeout_s:
+                        raise PeerFailure(f"tegula.ep: {what}: timed out after {self.timeout_s:g} s waiting for rank "
+                                          f"{pending[0]} {goal} (rank {self.rank}, operation {self.seq})")
+                time.sleep(0 if now - start < 2e-3 else 1e-4)
+            pending = [r for r in pending if value(r) < self.seq]

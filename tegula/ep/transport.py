@@ -12,7 +12,7 @@ import os
 import socket
 import uuid
 
-from tegula.ep.shm import PeerFailure, ShmGroup, _proc_start
+from tegula.ep.shm import MAX_RANKS, PeerFailure, ShmGroup, _proc_start
 
 KINDS = ("self", "shm", "dist")
 OP_DISPATCH, OP_COMBINE, OP_LL_DISPATCH, OP_LL_COMBINE = 1, 2, 3, 4  # every rank must be in the same one
@@ -54,10 +54,17 @@ class Comm:
     def __init__(self, group, transport, segment_bytes: int, timeout_s: float):
         self.group, self.timeout_s = group, timeout_s
         self.rank, self.world = group.rank(), group.size()
+        if self.world > MAX_RANKS:
+            raise ValueError(f"tegula.ep: at most {MAX_RANKS} ranks, the group has {self.world}")
         self.shm: ShmGroup | None = None
         self.failed: str | None = None
         pid = os.getpid()
-        infos = self._gather({"host": _host_id(), "pid": pid, "start": _proc_start(pid), "prefix": uuid.uuid4().hex})
+        infos = self._gather({"host": _host_id(), "pid": pid, "start": _proc_start(pid), "prefix": uuid.uuid4().hex,
+                              "size": segment_bytes})
+        sizes = {i["size"] for i in infos}
+        if len(sizes) > 1:
+            raise ValueError(f"tegula.ep: the ranks asked for different buffer sizes ({sorted(sizes)} bytes); every "
+                             "rank must pass the same num_nvl_bytes and num_rdma_bytes")
         hosts = [i["host"] for i in infos]
         self.node_of = [sorted(set(hosts), key=hosts.index).index(h) for h in hosts]
         req = _requested(transport, self.world)
@@ -87,19 +94,19 @@ class Comm:
         prefix = infos[0]["prefix"]
         same_host = [r for r in range(self.world) if infos[r]["host"] == infos[self.rank]["host"]]
         needs = [any(kinds[r][j] == "shm" for j in range(self.world)) for r in range(self.world)]
-        self.shm = ShmGroup(self.rank, self.world, self.timeout_s)
+        self.shm = ShmGroup(self.rank, self.world, size, self.timeout_s)
         try:
             err = None
             if needs[self.rank]:
                 try:
-                    self.shm.create(prefix, size)
+                    self.shm.create(prefix)
                 except OSError as e:
                     err = str(e)
             errs = self._gather(err)
             bad = [(r, e) for r, e in enumerate(errs) if e]
             if bad:
                 raise OSError(f"tegula.ep: rank {bad[0][0]} could not create its shared-memory segment: {bad[0][1]}")
-            ok = {r: self.shm.attach(prefix, r, size, infos[r]["pid"], infos[r]["start"])
+            ok = {r: self.shm.attach(prefix, r, infos[r]["pid"], infos[r]["start"])
                   for r in range(self.world) if kinds[self.rank][r] == "shm"}
             oks = self._gather(ok)
         finally:
@@ -163,19 +170,21 @@ class Comm:
     def region(self, rank: int, offset: int, nbytes: int, reserve=()):
         """Bytes [offset, offset+nbytes) of ``rank``'s segment as a uint8 tensor, after reserving the byte
         ranges in ``reserve`` (relative to ``offset``) that are about to be written."""
-        seg = self.shm.segs[rank]
-        if offset + nbytes > seg.size:
-            raise ValueError(f"tegula.ep: region [{offset}, {offset + nbytes}) is past the segment ({seg.size} B)")
-        self.reserve(rank, offset, reserve)
-        return seg.bytes[offset:offset + nbytes]
+        if offset + nbytes > self.shm.size:
+            raise ValueError(f"tegula.ep: region [{offset}, {offset + nbytes}) is past the segment "
+                             f"({self.shm.size} B)")
+        for a, b in reserve:
+            self.shm.reserve(rank, offset + a, offset + b)
+        return self.shm.bytes(rank, offset, nbytes)
 
-    def reserve(self, rank: int, offset: int, spans) -> None:
-        """Back the byte ranges ``spans`` (relative to ``offset``) of ``rank``'s segment with memory, if it has one."""
-        seg = self.shm.segs.get(rank) if self.shm is not None else None
-        if seg is not None:
-            for a, b in spans:
-                if b > a:
-                    seg.reserve(offset + a, offset + b)
+    def window_offset(self, t) -> int | None:
+        """Where tensor ``t`` starts in the window of this machine's segments (bytes), if it lies in this rank's
+        segment; else None."""
+        if self.shm is None or self.rank not in self.shm.segs or t.device.type != "cpu":
+            return None
+        at = t.data_ptr() - self.shm.win.data_ptr()
+        lo = self.rank * self.shm.size
+        return at if lo <= at and at + t.numel() * t.element_size() <= lo + self.shm.size else None
 
     def all_to_all(self, send, send_rows, recv_rows, row_bytes: int):
         """One all_to_all_single of uint8 rows: ``send`` [sum(send_rows), row_bytes] ordered by destination;
@@ -192,8 +201,14 @@ class Comm:
         this rank's own senders."""
         peers = [r for r in self.local(device) if r != self.rank]
         if peers:
-            self.shm.signal_done(peers)
-            self.shm.wait_done(peers, what)
+            self.shm.signal(peers)
+            self.shm.wait_signals(peers, what)
+
+    def release(self, what: str, read_from, read_by) -> None:
+        """This rank has finished reading the rows of ``read_from`` in place: tell them, and wait until the ranks
+        in ``read_by`` have finished reading this rank's."""
+        self.shm.signal(read_from, freed=True)
+        self.shm.wait_signals(read_by, what, freed=True)
 
     def abort(self, what: str, err: BaseException) -> None:
         self.failed = f"{what}: {type(err).__name__}: {err}"

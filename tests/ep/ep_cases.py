@@ -84,6 +84,10 @@ def roundtrip(rank, buf, **kw):
     combined, _, _ = buf.combine(recv_x, handle)  # DeepEP's own check: combining x gives x times its fan-out
     fan_out = handle[4].sum(1, keepdim=True).clamp(min=1)
     assert ref.calc_diff(combined.float() / fan_out, x.float() * (fan_out > 0)) < 5e-6
+    # recv_x itself lives in the segment: the owners read it in place
+    combined, combined_w, _ = buf.combine(recv_x, handle, recv_w, bias=b0)
+    want_x, want_w = ref.combine(recv_x, want["src"], x.shape[0], bias=(b0,), weights=want["topk_weights"])
+    assert torch.equal(combined, want_x) and torch.equal(combined_w, want_w), "combine of recv_x in place"
 
 
 def ll_roundtrip(rank, buf, tokens=None, skip_ranks=(), world=None):
@@ -201,6 +205,20 @@ def case_transport_dist(rank, world):
     x, topk, w = inputs(rank)
     q, scales = ref.cast_to_fp8(x)
     check_dispatch(dispatch(buf, (q, scales), topk, w), ref.dispatch(q.view(torch.uint8), topk, w, E, scales=scales))
+
+
+def case_torch_fallback(rank, world):
+    """The torch versions of the kernels (what tensors off the CPU run), over shared memory and over gloo."""
+    from tegula.ep import kernels
+    saved = kernels._COMPILED.get("c")
+    kernels._COMPILED["c"] = False
+    try:
+        for transport in ("shm", "dist"):
+            buf = make(world=world, transport=transport)
+            roundtrip(rank, buf)
+            ll_roundtrip(rank, buf)
+    finally:
+        kernels._COMPILED["c"] = saved
 
 
 def case_transport_mixed(rank, world):

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,37 +18,33 @@ def shm_names():
 
 def run_world(world, cases, timeout=150, env=None):
     """Run ``cases`` on ``world`` ranks. Returns (per-rank results (None for a rank that wrote nothing), exit codes,
-    seconds). Every process is killed at ``timeout``."""
+    seconds, output). The whole world is killed at ``timeout``."""
     with tempfile.TemporaryDirectory(prefix="tegula-ep-test-") as d:
         child_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                          **(env or {}))
-        outs = [os.path.join(d, f"rank{r}.json") for r in range(world)]
+        out = os.path.join(d, "result")
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "ep_worker.py"), str(r), str(world),
-                                   os.path.join(d, "store"), outs[r], ",".join(cases)], env=child_env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-        logs = []
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "ep_worker.py"), str(world), os.path.join(d, "store"),
+                              out, ",".join(cases)], env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         try:
-            for p in procs:
-                left = max(1.0, timeout - (time.monotonic() - t0))
-                try:
-                    logs.append(p.communicate(timeout=left)[0].decode(errors="replace"))
-                except subprocess.TimeoutExpired:
-                    logs.append("(killed at the timeout)")
-                    break
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            log = p.communicate(timeout=timeout)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            log = p.communicate()[0].decode(errors="replace") + f"\n(killed at the {timeout} s timeout)"
         results = []
-        for path in outs:
+        for r in range(world):
             try:
-                with open(path) as f:
+                with open(f"{out}.{r}") as f:
                     results.append(json.load(f))
             except (OSError, ValueError):
                 results.append(None)
-        return results, [p.returncode for p in procs], time.monotonic() - t0, logs
+        try:
+            with open(f"{out}.codes") as f:
+                codes = json.load(f)
+        except (OSError, ValueError):
+            codes = [None] * world
+        return results, codes, time.monotonic() - t0, [log] * world
 
 
 def failures(results, logs, case):

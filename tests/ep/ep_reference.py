@@ -11,8 +11,14 @@ def rank_and_size():
 
 
 def gather(obj):
+    """Every rank's ``obj``. Tensors are cloned first: pickling a view sends its whole storage (for views of
+    tegula.ep's segments, the whole shared window)."""
+    def own(o):
+        if isinstance(o, torch.Tensor):
+            return o.clone()
+        return type(o)(own(v) for v in o) if isinstance(o, (tuple, list)) else o
     out = [None] * dist.get_world_size(GROUP)
-    dist.all_gather_object(out, obj, group=GROUP)
+    dist.all_gather_object(out, own(obj), group=GROUP)
     return out
 
 

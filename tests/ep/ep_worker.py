@@ -1,7 +1,8 @@
-"""One rank of a tests/ep world: joins a gloo group through a file store, runs cases from ep_cases.py in order and
-writes {case: {"ok", "error", "s"}} as JSON after each one (a killed rank leaves what it finished).
+"""A tests/ep world: imports torch and tegula.ep once, then forks one process per rank. Each rank joins a gloo group
+through a file store, runs cases from ep_cases.py in order and writes {case: {"ok", "error", "s"}} as JSON to
+OUT.<rank> after each one (a killed rank leaves what it finished); the parent writes the exit codes to OUT.codes.
 
-    python tests/ep/ep_worker.py RANK WORLD STORE OUT SPEC[,SPEC...]
+    python tests/ep/ep_worker.py WORLD STORE OUT SPEC[,SPEC...]
 
 A SPEC is "all:NAME" (every rank, one group), "pairs:NAME" (ranks {0, 1}, {2, 3}, ... each run NAME as a world of
 two, at the same time) or "split:NAME0/NAME1" (pair 0 runs NAME0, pair 1 runs NAME1, other pairs nothing).
@@ -15,9 +16,30 @@ from datetime import timedelta
 
 
 def main():
-    started = time.monotonic()
-    rank, world, store, out, specs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    world, store, out, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     os.environ.setdefault("TEGULA_NUM_THREADS", "1")
+    import ep_cases  # noqa: F401  (torch, tegula.ep and the reference, imported once for every rank)
+    pids = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                run_rank(rank, world, store, f"{out}.{rank}", specs)
+                code = 0
+            finally:
+                os._exit(code)
+        pids[pid] = rank
+    codes = [None] * world
+    while pids:
+        pid, status = os.wait()
+        codes[pids.pop(pid)] = os.waitstatus_to_exitcode(status)
+    with open(f"{out}.codes", "w") as f:
+        json.dump(codes, f)
+
+
+def run_rank(rank, world, store, out, specs):
+    started = time.monotonic()
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

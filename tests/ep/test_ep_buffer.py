@@ -11,7 +11,7 @@ from ep_launch import failures, run_world, shm_names
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
 BOTH = ["layout", "dispatch_combine", "fp8_dispatch", "alignment_cached_worst", "receives_nothing", "low_latency",
-        "low_latency_fp8", "transport_dist"]
+        "low_latency_fp8", "transport_dist", "torch_fallback"]
 FOUR = BOTH + ["transport_mixed", "mismatch"]
 SPECS = [f"pairs:{c}" for c in BOTH] + [f"all:{c}" for c in FOUR] + ["pairs:hung", "split:killed/killed_in_setup"]
 
