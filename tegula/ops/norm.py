@@ -1,0 +1,183 @@
+"""``tegula.ops.norm``: RMSNorm, and RMSNorm fused with TileKernels' per-token cast, kernels in T.*.
+
+    from tegula.ops.norm import rmsnorm, rmsnorm_forward_and_per_token_cast
+
+- ``rmsnorm(x, weight, eps=1e-6) -> y``: x (num_tokens, hidden) float32 / bfloat16 / float16, any row stride;
+  weight (hidden,) of any of those dtypes; y in x's dtype.
+- ``rmsnorm_forward_and_per_token_cast(x, weight, eps=1e-6, fmt='e4m3', num_per_channels=128,
+  use_tma_aligned_col_major_sf=False, round_sf=False, use_packed_ue8m0=False) -> (out, sf)``: the float32 RMSNorm
+  output cast as ``tegula.ops.quant.per_token_cast`` casts (same formats, scale layouts and numerics); the
+  normalised row is not rounded to x's dtype in between.
+
+Numerics, float32 throughout: y = x * w * rstd (left to right), rstd = 1 / sqrt(ss / hidden + eps), ss the sum of
+x * x in a fixed order: 32 lanes (lane l takes the columns l, l + 32, ...) accumulated in column order, then the
+lanes folded pairwise (l + 16 into l, then 8, 4, 2, 1). One compiled kernel serves every token count and hidden size.
+"""
+from __future__ import annotations
+
+import tegula.language as T
+from tegula.ops import _tk
+from tegula.ops._quant_kernels import (
+    CLAMP_MIN,
+    FMT_MAX,
+    OUT_DTYPE,
+    PACKED_SF,
+    ROUND_SF,
+    scale_of,
+    store_quantized,
+    store_scales,
+)
+from tegula.ops._tk import ceil_div
+
+__all__ = ["rmsnorm", "rmsnorm_forward_and_per_token_cast"]
+
+LANES = 32
+_DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+@T.macro
+def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W):
+    T.fill(acc, 0.0)
+    xv = T.reshape(xf, (BM, W // LANES, LANES))
+    for c in T.serial(T.ceildiv(hidden, W)):
+        T.copy(X[r0, c * W], xf)
+        for cc in T.serial(W // LANES):
+            for i, lane in T.Parallel(BM, LANES):
+                acc[i, lane] = acc[i, lane] + xv[i, cc, lane] * xv[i, cc, lane]
+    for step in T.unroll(5):
+        half = 16 >> step
+        for i, lane in T.Parallel(BM, 16):
+            if lane < half:
+                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
+    for i in T.Parallel(BM):
+        rstd[i] = 1.0 / T.sqrt(acc[i, 0] / T.cast(hidden, "float32") + eps)
+
+
+@T.macro
+def _normalised(X, Wt, xf, wf, rstd, r0, c0, BM, W):
+    T.copy(X[r0, c0], xf)
+    T.copy(Wt[c0], wf)
+    for i, j in T.Parallel(BM, W):
+        xf[i, j] = xf[i, j] * wf[j] * rstd[i]
+
+
+def rmsnorm_kernel(in_dtype, w_dtype, W=1024, BM=2):
+    NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
+
+    @T.prim_func
+    def rmsnorm(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((HW,), w_dtype),
+                Y: T.Tensor((NT, H), in_dtype), eps: T.float32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            xf = T.alloc_fragment((BM, W), "float32")
+            wf = T.alloc_fragment((W,), "float32")
+            acc = T.alloc_fragment((BM, LANES), "float32")
+            rstd = T.alloc_fragment((BM,), "float32")
+            _rstd(X, xf, acc, rstd, r0, H, eps, BM, W)
+            for c in T.serial(T.ceildiv(H, W)):
+                _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                T.copy(xf, Y[r0, c * W])
+    return rmsnorm
+
+
+def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=2):
+    """G in (16, 32, 64, 128): scales per group, chunk by chunk; G == 0: one scale per row (a third pass)."""
+    NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
+    QC = T.dynamic("q_cols")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
+    Gt = G or W
+    GB = W // Gt
+
+    @T.prim_func
+    def rmsnorm_cast(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((HW,), w_dtype),
+                     Q: T.Tensor((NT, QC), OUT_DTYPE[fmt]), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                     eps: T.float32, flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            xf = T.alloc_fragment((BM, W), "float32")
+            wf = T.alloc_fragment((W,), "float32")
+            acc = T.alloc_fragment((BM, LANES), "float32")
+            rstd = T.alloc_fragment((BM,), "float32")
+            amax = T.alloc_fragment((BM, GB), "float32")
+            inv = T.alloc_fragment((BM, GB), "float32")
+            word = T.alloc_fragment((BM, GB), "int32")
+            eb = T.alloc_fragment((BM, GB), "int32")
+            xg = T.reshape(xf, (BM, GB, Gt))
+            _rstd(X, xf, acc, rstd, r0, H, eps, BM, W)
+            if G == 0:
+                rmax = T.alloc_fragment((BM,), "float32")
+                part = T.alloc_fragment((BM,), "float32")
+                T.fill(rmax, 0.0)
+                for c in T.serial(T.ceildiv(H, W)):
+                    _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                    T.reduce_absmax(xf, part, dim=1)
+                    for i in T.Parallel(BM):
+                        rmax[i] = T.max(rmax[i], part[i])
+                for i, g in T.Parallel(BM, GB):
+                    w_, v_, e_ = scale_of(rmax[i], maxv, cmin, rnd)
+                    inv[i, g] = v_
+                    if r0 + i < NT and g == 0:
+                        S[r0 + i, 0] = T.if_then_else(packed, e_, w_)
+            for c in T.serial(T.ceildiv(H, W)):
+                _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                if G != 0:
+                    T.reduce_absmax(xg, amax, dim=2)
+                    for i, g in T.Parallel(BM, GB):
+                        w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+                        word[i, g] = w_
+                        inv[i, g] = v_
+                        eb[i, g] = e_
+                    store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H, G), packed, BM, GB)
+                for i, g, k in T.Parallel(BM, GB, Gt):
+                    xg[i, g, k] = xg[i, g, k] * inv[i, g]
+                store_quantized(Q, xf, r0, c * W, fmt, BM, W)
+    return rmsnorm_cast
+
+
+def _check(x, weight, eps):
+    t = _tk.torch()
+    dts = (t.float32, t.bfloat16, t.float16)
+    _tk.check_tensor(x, "x", dts, 2)
+    _tk.check_tensor(weight, "weight", dts, 1)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must have {x.shape[1]} entries (x's hidden size), got {weight.shape[0]}")
+    eps = _tk.check_float(eps, "eps")
+    return _tk.rows_stride1(x), weight.contiguous(), eps
+
+
+def rmsnorm(x, weight, eps: float = 1e-6):
+    """RMSNorm of each row of x (num_tokens, hidden): x * weight * rstd in float32, rounded to x's dtype."""
+    t = _tk.torch()
+    x, weight, eps = _check(x, weight, eps)
+    y = t.empty(x.shape, dtype=x.dtype)
+    if x.numel():
+        _tk.kernel(rmsnorm_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)])(x, weight, y, eps)
+    return y
+
+
+def rmsnorm_forward_and_per_token_cast(x, weight, eps: float = 1e-6, fmt: str = "e4m3", num_per_channels: int = 128,
+                                       use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                                       use_packed_ue8m0: bool = False):
+    """RMSNorm fused with the per-token cast: ``(out, sf)`` as ``per_token_cast(rmsnorm_float32(x), fmt,
+    num_per_channels, ...)`` returns them."""
+    x, weight, eps = _check(x, weight, eps)
+    _tk.check_choice(fmt, "fmt", ("e4m3", "e2m1"))
+    flags = _tk.check_sf_flags(use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    num_tokens, hidden = x.shape
+    G = _tk.check_int(num_per_channels, "num_per_channels", lo=1)
+    if G not in (16, 32, 64, 128) and G != hidden:
+        raise ValueError(f"num_per_channels must be 16, 32, 64, 128 or hidden ({hidden}), got {G}")
+    if fmt == "e2m1" and hidden % 2:
+        raise ValueError(f"fmt='e2m1' packs two values per byte: hidden must be even, got {hidden}")
+    row = G not in (16, 32, 64, 128)
+    from tegula.ops.quant import _out
+    out, out_k = _out(num_tokens, hidden, fmt)
+    sf_user, sf_k = _tk.alloc_sf(num_tokens, 1 if row else ceil_div(hidden, G), use_tma_aligned_col_major_sf,
+                                 use_packed_ue8m0)
+    if num_tokens > 0 and hidden > 0:
+        k = _tk.kernel(rmsnorm_cast_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)], fmt, 0 if row else G)
+        k(x, weight, out_k, sf_k, eps, flags)
+    return out, sf_user
