@@ -33,6 +33,8 @@ CAP = KMAX + B2MAX + CHUNK
 PAD = CHUNK + 256         # ck, ci, und are CAP + PAD long: room for a last whole chunk, and 3 KiB apart modulo
                           # 4 KiB from each other and from tk/ti, so stores do not falsely alias loads (4K aliasing)
 HBINS = 2048
+SHORT_MAX = 1 << 16       # rows of 16-bit keys up to this long with k >= SHORT_MU / SAMPLE of them (k/n >= 1/8)
+SHORT_MU = 64             # find their k-th key by counting passes (short_row); below, top_range is faster
 INT_MIN = -(1 << 31)
 INT_MAX = (1 << 31) - 1
 NAN_FLAG = 0x3F3F3F3F     # DeepSelect's marker in indices[row, 0] of a row holding NaN
@@ -69,10 +71,13 @@ def _state(raw):
         tk=T.alloc_shared((KMAX + 1,), "int32"),    # select's output and sort's other half (+1: the
         ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
         hist=T.alloc_shared((2 * HBINS,), "int32"),
+        xs=T.alloc_fragment((CHUNK,), raw),         # one chunk of the input (raw values)
+        ws=T.alloc_fragment((CHUNK,), "int32"),     # one chunk of a workspace (keys)
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
         fb=T.alloc_fragment((NSUB, SUB), "uint32"),
         masks=T.alloc_fragment((NSUB,), "uint32"),
         lmax=T.alloc_fragment((CHUNK,), "int32"),   # the largest key per lane of a chunk
+        lcnt=T.alloc_fragment((CHUNK,), raw),       # counts per lane
         mg=T.alloc_fragment((CHUNK,), raw),         # the largest raw magnitude per lane (NaN check)
         ext=T.alloc_fragment((2,), "int32"),
         st=T.alloc_local((4,), "int32"))
@@ -98,7 +103,10 @@ def _macros(bits):
     key_of, raw_of, ukey, key_of_u = _codec(bits)
     low = _LOW[bits]
     LANES = 512 // bits                       # one 512-bit vector of raw values
-    _ROWS_AFTER_FIRST = tuple(range(1, CHUNK // LANES))   # a tuple: the loop is unrolled
+    _ROWS_AFTER_FIRST = tuple(range(1, CHUNK // LANES))   # tuples: the loops over them are unrolled
+    _ROWS = tuple(range(CHUNK // LANES))
+    raw_t = _RAW[bits]
+    KEY_MIN, KEY_END = (-32768, 32768) if bits == 16 else (INT_MIN, None)
 
     def key_raw(v):
         """The key in the raw values' own width (int16 or int32)."""
@@ -201,17 +209,19 @@ def _macros(bits):
         indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
         Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check)."""
         nfull = (hi - lo) // CHUNK
+        xb = b.xs if raw_src else b.ws
         for c in T.serial(nfull):
             base = lo + c * CHUNK
             thr = b.st[1]
+            T.copy(src[row, base], xb)   # a whole-tile copy: its bounds are tested once, not per element
             # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
             for lane in T.Parallel(LANES):
-                v = src[row, base + lane]
+                v = xb[lane]
                 top_key = key_raw(v) if raw_src else v
                 if raw_src:
                     mag = T.max(b.mg[lane], v & low)
                 for j in _ROWS_AFTER_FIRST:
-                    v = src[row, base + j * LANES + lane]
+                    v = xb[j * LANES + lane]
                     top_key = T.max(top_key, key_raw(v) if raw_src else v)
                     if raw_src:
                         mag = T.max(mag, v & low)
@@ -223,7 +233,7 @@ def _macros(bits):
                 # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits
                 # T.clz walks
                 for s, j in T.Parallel(NSUB, SUB):
-                    kv = key_of(src[row, base + s * SUB + j]) if raw_src else src[row, base + s * SUB + j]
+                    kv = key_of(xb[s * SUB + j]) if raw_src else xb[s * SUB + j]
                     b.kk[s * SUB + j] = kv
                     b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
                 T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
@@ -306,6 +316,123 @@ def _macros(bits):
             select(b, k)
 
     @T.macro
+    def count_ge(b, src, row, length, t, track):
+        """How many keys of src[row, :length] are >= t, counted per lane in the keys' own width (vectorised);
+        with ``track`` b.mg takes in the raw magnitudes too (the NaN check)."""
+        tr = T.cast(t, raw_t)
+        for lane in T.Parallel(LANES):
+            b.lcnt[lane] = 0
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            T.copy(src[row, c * CHUNK], b.xs)
+            for lane in T.Parallel(LANES):
+                acc = b.lcnt[lane]
+                if track:
+                    mag = b.mg[lane]
+                for j in _ROWS:
+                    v = b.xs[j * LANES + lane]
+                    acc = acc + T.cast(key_raw(v) >= tr, raw_t)
+                    if track:
+                        mag = T.max(mag, v & low)
+                b.lcnt[lane] = acc
+                if track:
+                    b.mg[lane] = mag
+        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
+        total = b.ext[0]
+        for j in T.serial(length - nfull * CHUNK):
+            v = src[row, nfull * CHUNK + j]
+            total = total + T.cast(key_of(v) >= t, "int32")
+            if track:
+                b.mg[0] = T.max(b.mg[0], v & low)
+        return total
+
+    @T.macro
+    def short_row(b, src, row, length, k):
+        """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
+        index order. The k-th largest key itself is found first, by searching the key range for the point where
+        the count of keys >= it falls below k: each count is one vectorised pass over the (cache-resident) row,
+        the search starts between two ranks of a sample and steps by interpolation of the counts alternating
+        with bisection. One more pass then keeps the keys above it and the first ones equal to it: no
+        candidate buffer, no radix select, no work per key beyond the k kept."""
+        mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
+        stride = length // SAMPLE
+        for i in T.Parallel(SAMPLE):
+            b.kk[i] = key_of(src[row, i * stride])
+        T.reduce_max(b.kk, b.ext[0:1], dim=0)
+        T.reduce_min(b.kk, b.ext[1:2], dim=0)
+        for i in T.Parallel(SAMPLE):
+            b.ck[i] = b.kk[i]
+            b.ci[i] = i
+        b.st[0] = SAMPLE
+        b.st[2] = b.ext[0]
+        b.st[3] = b.ext[1]
+        select(b, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE))
+        lo = b.st[1]
+        select(b, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"))
+        hi = b.st[1]
+        # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst
+        c_hi = count_ge(b, src, row, length, hi, True)
+        c_lo = T.cast(length, "int32")
+        if c_hi >= k:
+            lo = hi
+            c_lo = c_hi
+            hi = KEY_END
+            c_hi = 0
+        else:
+            c = count_ge(b, src, row, length, lo, False)
+            if c >= k:
+                c_lo = c
+            else:
+                hi = lo
+                c_hi = c
+                lo = KEY_MIN
+        bisect = T.cast(0, "int32")
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if bisect == 0:
+                step = T.cast(T.cast(hi - lo, "float32") * T.cast(c_lo - k, "float32") /
+                              T.cast(c_lo - c_hi, "float32"), "int32")
+                mid = lo + T.min(T.max(step, 1), hi - lo - 1)
+            width = hi - lo
+            c = count_ge(b, src, row, length, mid, False)
+            if c >= k:
+                lo = mid
+                c_lo = c
+            else:
+                hi = mid
+                c_hi = c
+            bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
+        need = k - c_hi   # lo is the k-th largest key: keep all keys above it and `need` equal to it
+        cnt = T.cast(0, "int32")
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            T.copy(src[row, c * CHUNK], b.xs)
+            for s, j in T.Parallel(NSUB, SUB):
+                kv = key_of(b.xs[s * SUB + j])
+                b.kk[s * SUB + j] = kv
+                b.fb[s, j] = T.cast(kv >= lo, "uint32") << T.cast(j, "uint32")
+            T.reduce_sum(b.fb, b.masks, dim=1)
+            for s in T.serial(NSUB):
+                m = b.masks[s]
+                while m != 0:
+                    j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                    m = m & (m - 1)
+                    kv = b.kk[s * SUB + j]
+                    if kv > lo or need > 0:
+                        need = need - T.cast(kv == lo, "int32")
+                        b.ck[cnt] = kv
+                        b.ci[cnt] = c * CHUNK + s * SUB + j
+                        cnt = cnt + 1
+        for j in T.serial(length - nfull * CHUNK):
+            kv = key_of(src[row, nfull * CHUNK + j])
+            if kv > lo or (kv == lo and need > 0):
+                need = need - T.cast(kv == lo, "int32")
+                b.ck[cnt] = kv
+                b.ci[cnt] = nfull * CHUNK + j
+                cnt = cnt + 1
+        b.st[0] = cnt
+
+    @T.macro
     def sort_by_value(b, cnt):
         """Order the candidates [0, cnt) by descending key (stable: equal keys keep index order), in place: LSD
         radix sort on 8-bit digits through tk/ti; a pass whose digit is the same for all is a copy."""
@@ -356,8 +483,8 @@ def _macros(bits):
             Idx[r, 0] = T.cast(NAN_FLAG, idx_dtype)
             T.atomic_max(Flag[0], 1)
 
-    return SimpleNamespace(key_of=key_of, scan=scan, select=select, top_range=top_range, emit=emit,
-                           flag_nan=flag_nan)
+    return SimpleNamespace(key_of=key_of, scan=scan, select=select, top_range=top_range, short_row=short_row,
+                           emit=emit, flag_nan=flag_nan)
 
 
 def rows_kernel(bits, idx_dtype):
@@ -383,6 +510,8 @@ def rows_kernel(bits, idx_dtype):
                     b.ck[i] = M.key_of(X[r, i])
                     b.ci[i] = i
                 b.st[0] = length
+            elif bits == 16 and length <= SHORT_MAX and length >= 4 * SAMPLE and length * SHORT_MU <= SAMPLE * k:
+                M.short_row(b, X, r, length, k)
             else:
                 M.top_range(b, 0, length, X, r, k, b2)
             M.emit(b, r, k, by_value, Off[r], Vals, Idx, idx_fill, val_fill, idx_dtype)

@@ -113,7 +113,9 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         indices = output_idx
         if not output_idx.is_contiguous():
             dest, indices = output_idx, torch.empty((batch, topk), dtype=indices_type)
-    values = torch.empty((batch, topk), dtype=input.dtype)
+    # the kernels always write values; without return_value they go to this thread's scratch tensor
+    values = torch.empty((batch, topk), dtype=input.dtype) if return_value else _scratch(torch, batch, topk,
+                                                                                         input.dtype)
     if batch == 0:
         return (values if return_value else None), (output_idx if output_idx is not None else indices)
     if not input.is_contiguous():
@@ -201,6 +203,15 @@ def _fill_bits(torch, dtype, bits, value):
     if raw is None:
         raw = _CACHE[key] = int(torch.tensor([float(value)], dtype=dtype).view(getattr(torch, f"int{bits}"))[0])
     return raw
+
+
+def _scratch(torch, batch, k, dtype):
+    """A (batch, k) tensor of dtype owned by this thread, reused while the shape stays the same."""
+    key = (batch, k, dtype)
+    s = getattr(_LOCAL, "scratch", None)
+    if s is None or s[0] != key:
+        s = _LOCAL.scratch = (key, torch.empty((batch, k), dtype=dtype))
+    return s[1]
 
 
 def _flags(torch):
