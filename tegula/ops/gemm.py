@@ -23,6 +23,8 @@ re-exported here, as deep_gemm exports it at top level.
 """
 from __future__ import annotations
 
+import os
+
 import tegula
 from tegula.ops import _gemm_kernels as K_
 from tegula.ops._gemm_layout import (  # noqa: F401  (deep_gemm's utils, re-exported)
@@ -52,16 +54,27 @@ from tegula.ops._gemm_layout import (  # noqa: F401  (deep_gemm's utils, re-expo
 
 SF_K = K_.SF_K
 _FACTORIES: dict = {}
+_KERNELS: dict = {}
+_TARGETS: dict = {}
 
 
 def _kernel(factory, *args):
-    """The compiled kernel of ``factory(*args)`` for the current target (TEGULA_TARGET, else the best one)."""
-    from tegula.jit.targets import resolve
-    target = resolve(None).name
-    jf = _FACTORIES.get((factory, target))
-    if jf is None:
-        jf = _FACTORIES[(factory, target)] = tegula.jit(factory, target=target)
-    return jf(*args)
+    """The compiled kernel of ``factory(*args)`` for the current target (TEGULA_TARGET, else the best one): a
+    ``tegula.jit`` factory per target, its kernels also kept here under a plain tuple key (a warm call costs one
+    dict lookup)."""
+    env = os.environ.get("TEGULA_TARGET")
+    target = _TARGETS.get(env)
+    if target is None:
+        from tegula.jit.targets import resolve
+        target = _TARGETS[env] = resolve(None).name
+    key = (factory, target) + args
+    k = _KERNELS.get(key)
+    if k is None:
+        jf = _FACTORIES.get((factory, target))
+        if jf is None:
+            jf = _FACTORIES[(factory, target)] = tegula.jit(factory, target=target)
+        k = _KERNELS[key] = jf(*args)
+    return k
 
 
 # argument checks -----------------------------------------------------------------------------------------
