@@ -57,6 +57,31 @@ def set_num_sms(new_num_sms: int) -> None:
     _state["num_sms"] = new_num_sms
 
 
+# deep_gemm's GPU tuning knobs: accepted so that code calling them runs; nothing on these targets depends on them
+def set_tc_util(new_tc_util: int) -> None:
+    _state["tc_util"] = int(new_tc_util)
+
+
+def get_tc_util() -> int:
+    return _state.get("tc_util", 100)
+
+
+def set_pdl(new_enable_pdl: bool) -> None:
+    _state["pdl"] = bool(new_enable_pdl)
+
+
+def get_pdl() -> bool:
+    return _state.get("pdl", False)
+
+
+def set_ignore_compile_dims(new_value: bool) -> None:
+    _state["ignore_compile_dims"] = bool(new_value)
+
+
+def set_block_size_multiple_of(new_value: int) -> None:
+    _state["block_size_multiple_of"] = int(new_value)
+
+
 # UE8M0 scales ---------------------------------------------------------------------------------------
 
 def ceil_to_ue8m0(x):
