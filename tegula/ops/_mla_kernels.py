@@ -36,7 +36,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
     per group and ``hpk`` query heads per kv head, ``h_kv`` kv heads, ``d`` / ``dv`` head dims, ``ps`` tokens per
     page, ``sparse`` (keys named by Tab[group, t] instead of pages Tab[batch, t // ps]), ``causal`` (bottom-right),
     ``fp8`` cache, ``dtype`` of q / the key tile, ``has_sink``, ``with_max`` (write the row maxima: prefill),
-    ``page_copy`` (dense, ps == block_n, a page's rows of one kv head contiguous: a tile is one copy of a page).
+    ``page_copy`` (dense, ps and block_n multiples one of the other, a kv head's rows contiguous in a page).
     Runtime: Q (groups, sq, h_kv, hpk, d); the cache as flat views KVa (+ KVs, KVr for fp8); Tab (rows, cols) int32;
     Lens (groups,) valid keys per group; Sched (items, 4) int32 = (group, start, end, slot); Sink (h_q or 1,);
     outputs Out (groups, sq, h_kv, hpk, dv), Lse (groups, h_kv, hpk, sq), MaxL (groups or 0, h_kv, hpk, sq),
@@ -52,6 +52,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
     tab_rows, tab_cols, n_sink, n_max = T.dynamic("tab_rows"), T.dynamic("tab_cols"), T.dynamic("n_sink"), \
         T.dynamic("n_max")
     neg_inf = -T.infinity("float32")
+    run = min(ps, BN)   # page_copy: rows per contiguous run
 
     @T.macro
     def row_offset(Tab, g, hk, t, sb, rs, hs, n_tok):
@@ -67,15 +68,18 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
         """Key tile k of the item into K_s (dequantised for fp8); rows that are not valid are zero (the cache may
         hold NaN there). Each T.copy's start is an expression of k, so T.Pipelined prefetches the next tile."""
         t0 = start + k * BN
-        if page_copy:   # the tile is one whole page of contiguous rows
-            pbase = T.cast(Tab[g, start // ps + k], "int64") * sb + hk * hs
-            if fp8:
-                T.copy(KVa[pbase:pbase + BN * FP8_BYTES], Raw)
-            else:
-                T.copy(KVa[pbase:pbase + BN * d], K_flat)
+        if page_copy:   # the tile is runs of contiguous rows (whole pages, or a part of one): a copy per run
+            for c in range(BN // run):
+                tc = T.min(t0 + c * run, end - 1)   # a run past the end re-reads the last page (zeroed below)
+                pbase = T.cast(Tab[g, tc // ps], "int64") * sb + T.cast(tc % ps, "int64") * rs + hk * hs
+                if fp8:
+                    T.copy(KVa[pbase:pbase + run * FP8_BYTES], Raw[c * run * FP8_BYTES:(c + 1) * run * FP8_BYTES])
+                    for i in T.Parallel(run):
+                        off[c * run + i] = pbase + i * FP8_BYTES
+                else:
+                    T.copy(KVa[pbase:pbase + run * d], K_flat[c * run * d:(c + 1) * run * d])
             for i in T.Parallel(BN):
                 valid[i] = T.if_then_else(t0 + i < end, 1, 0)
-                off[i] = pbase + i * FP8_BYTES
             if t0 + BN > end:
                 for i in T.serial(BN):
                     if valid[i] == 0:
@@ -273,15 +277,16 @@ def mla_combine(sq, hpk, h_kv, dv, dtype, has_sink, chunk=16):
 
 
 def kv_quant_fp8(block_tokens):
-    """bf16 MLA cache rows (tokens, 576) -> FP8 rows (tokens, 656 bytes as uint8): for each 128-value tile the
-    scale is 2^ceil(log2(max(amax / 448, 1e-4))) (a power of two, computed from the bits), values / scale round to
-    float8_e4m3fn; the 64 RoPE values are copied as bf16."""
-    n = T.dynamic("n")
+    """bf16 MLA cache rows X (tokens, 576) -> the three parts of FP8 rows, strided views of one (tokens, 656)-byte
+    buffer: Q8 (fp8 values), Sc (fp32 scales), R (bf16 RoPE). For each 128-value tile the scale is
+    2^ceil(log2(max(amax / 448, 1e-4))) (a power of two, computed from the bits), values / scale round to
+    float8_e4m3fn; the 64 RoPE values are copied."""
+    n, s8, s32, s16 = T.dynamic("n"), T.dynamic("s8"), T.dynamic("s32"), T.dynamic("s16")
     BT = block_tokens
 
     @T.prim_func
-    def main(X: T.Tensor((n, 576), "bfloat16"), Q8: T.Tensor((n, FP8_NOPE), "float8_e4m3fn"),
-             Sc: T.Tensor((n, 4), "float32"), R: T.Tensor((n, FP8_ROPE), "bfloat16")):
+    def main(X: T.Tensor((n, 576), "bfloat16"), Q8: T.StridedTensor((n, FP8_NOPE), (s8, 1), "float8_e4m3fn"),
+             Sc: T.StridedTensor((n, 4), (s32, 1), "float32"), R: T.StridedTensor((n, FP8_ROPE), (s16, 1), "bfloat16")):
         with T.Kernel(T.ceildiv(n, BT), threads=128) as bx:
             x = T.alloc_fragment((BT, FP8_NOPE), "float32")
             amax = T.alloc_fragment((BT, 4), "float32")
@@ -306,14 +311,15 @@ def kv_quant_fp8(block_tokens):
 
 
 def kv_dequant_fp8(block_tokens):
-    """The inverse of ``kv_quant_fp8``: value * scale in float32, rounded to bfloat16 (exact for the
-    quantiser's power-of-two scales)."""
-    n = T.dynamic("n")
+    """The inverse of ``kv_quant_fp8`` (same strided views in, X out): value * scale in float32, rounded to
+    bfloat16 (exact for the quantiser's power-of-two scales)."""
+    n, s8, s32, s16 = T.dynamic("n"), T.dynamic("s8"), T.dynamic("s32"), T.dynamic("s16")
     BT = block_tokens
 
     @T.prim_func
-    def main(Q8: T.Tensor((n, FP8_NOPE), "float8_e4m3fn"), Sc: T.Tensor((n, 4), "float32"),
-             R: T.Tensor((n, FP8_ROPE), "bfloat16"), X: T.Tensor((n, 576), "bfloat16")):
+    def main(Q8: T.StridedTensor((n, FP8_NOPE), (s8, 1), "float8_e4m3fn"),
+             Sc: T.StridedTensor((n, 4), (s32, 1), "float32"), R: T.StridedTensor((n, FP8_ROPE), (s16, 1), "bfloat16"),
+             X: T.Tensor((n, 576), "bfloat16")):
         with T.Kernel(T.ceildiv(n, BT), threads=128) as bx:
             for i, j in T.Parallel(BT, FP8_NOPE):
                 if bx * BT + i < n:

@@ -312,7 +312,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     sink = attn_sink.contiguous() if attn_sink is not None else torch.zeros(1, dtype=torch.float32)
     outv = out.view(groups, sq_k, h_kv, hpk, head_dim_v)
     lsev = lse.view(groups, h_kv, hpk, sq_k)
-    page_copy = not sparse and ps == BLOCK_N and rs == (K.FP8_BYTES if is_fp8_kvcache else d)
+    page_copy = not sparse and (ps % BLOCK_N == 0 or BLOCK_N % ps == 0) and rs == (K.FP8_BYTES if is_fp8_kvcache else d)
     kern = K.get("decode", target, rb, nrb, sq_k, hpk, h_kv, d, head_dim_v, ps, sparse, bool(causal),
                  bool(is_fp8_kvcache), _dt(q.dtype), attn_sink is not None, False, page_copy)
     n_tok = nb * ps
@@ -482,15 +482,7 @@ def quantize_kv_cache_fp8(k_cache):
     out = torch.empty(nb, ps, 1, K.FP8_BYTES, dtype=torch.float8_e4m3fn)
     if n == 0:
         return out
-    buf = out.view(n, K.FP8_BYTES)
-    q8, sc, rope = (t.contiguous() for t in _fp8_views(buf))
-    kern = K.get("quant", _target(), 16)
-    x = k_cache.reshape(n, d).contiguous()
-    kern(x, q8, sc, rope)
-    nope, scv, ropev = _fp8_views(buf)
-    nope.copy_(q8)
-    scv.copy_(sc)
-    ropev.copy_(rope)
+    K.get("quant", _target(), 16)(k_cache.reshape(n, d).contiguous(), *_fp8_views(out.view(n, K.FP8_BYTES)))
     return out
 
 
@@ -507,8 +499,7 @@ def dequantize_kv_cache_fp8(k_cache):
     if n == 0:
         return out
     buf = k_cache.view(torch.float8_e4m3fn).reshape(n, K.FP8_BYTES).contiguous()
-    q8, sc, rope = (t.contiguous() for t in _fp8_views(buf))
-    K.get("dequant", _target(), 16)(q8, sc, rope, out.view(n, 576))
+    K.get("dequant", _target(), 16)(*_fp8_views(buf), out.view(n, 576))
     return out
 
 

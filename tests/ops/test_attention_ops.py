@@ -148,7 +148,7 @@ def test_dense_decode(b, s_q, h_q, h_kv, lens, causal, dtype):
 
 
 def test_dense_decode_fp8_cache_and_scale():
-    b, s_q, h_q, d, dv, ps = 2, 1, 16, 576, 512, 64
+    b, s_q, h_q, d, dv, ps = 2, 1, 16, 576, 512, 32      # pages of 32: two copies per 64-key tile
     lens = torch.tensor([700, 33], dtype=torch.int32)
     cache, block_table = paged_cache(b, 700, lens, ps, 1, d, torch.bfloat16)
     fp8 = A.quantize_kv_cache_fp8(cache.nan_to_num(0))
