@@ -7,6 +7,8 @@ so bool tensors and scalars travel as ``uchar``.
 from __future__ import annotations
 
 from tegula.codegen.simt import SimtEmitter
+from tegula.ir import expr as E
+from tegula.ir import stmt as S
 
 
 class OpenCLEmitter(SimtEmitter):
@@ -22,6 +24,11 @@ class OpenCLEmitter(SimtEmitter):
     storage = {"bool": "uchar"}
     spaces = {"global": "__global ", "shared": "__local "}
 
+    def loop_pragmas(self, s) -> list[str]:
+        # PoCL runs a work-group as a loop over its work-items around the code between barriers, and vectorises
+        # that loop when it is innermost: unroll small nests of per-thread slot loops so that nothing is inside it
+        return ["#pragma unroll"] if s.kind == "unroll" and _unrolled_trips(s) <= 64 else []
+
     def launch_bounds(self, k) -> str:
         return f"__attribute__((reqd_work_group_size({k.nthreads}, 1, 1))) "
 
@@ -29,3 +36,17 @@ class OpenCLEmitter(SimtEmitter):
 def emit_opencl(func, symbols: list) -> str:
     """OpenCL C source of the SIMT-lowered ``func``; ``symbols`` are the symbolic dims passed after the parameters."""
     return OpenCLEmitter(func).emit(symbols)
+
+
+def _unrolled_trips(s) -> float:
+    """Iterations of the loop nest ``s`` when every loop in it is an unroll loop of constant extent, else inf."""
+    trips = 1
+    for x in S.walk(s):
+        if isinstance(x, (S.While,)):
+            return float("inf")
+        if isinstance(x, S.For):
+            n = E.const_value(x.extent)
+            if x.kind != "unroll" or not isinstance(n, int):
+                return float("inf")
+            trips *= n
+    return trips
