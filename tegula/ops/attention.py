@@ -15,11 +15,15 @@
   FP8 layout (see ``quantize_kv_cache_fp8``). ``attn_sink`` [h_q]: out *= 1 / (1 + exp(sink - lse)).
   ``topk_length`` [b]: only the first topk_length[i] indices count.
 - ``flash_mla_sparse_fwd``: sparse prefill, returns (out, max_logits, lse).
-- ``flash_attn_varlen_func``: packed variable-length attention with grouped-query heads.
+- ``flash_attn_varlen_func`` (and its ``_qkvpacked`` / ``_kvpacked`` forms): packed variable-length attention with
+  grouped-query heads, forward only.
+- ``quantize_kv_cache_fp8`` / ``dequantize_kv_cache_fp8``: FlashMLA's FP8 cache layout from a bf16 cache and back.
 
-Differences from FlashMLA, all extensions: any page_block_size and head dims with d_qk >= head_dim_v (FlashMLA:
-64, 576/512 and 512); the FP8 cache also in dense decode and a bf16 cache also in sparse decode; fp32 q/k/v in
-flash_attn_varlen_func; ``extra_k_cache`` / ``extra_indices_in_kvcache`` are not supported (ValueError).
+Differences from FlashMLA: extensions — any page_block_size and head dims with d_qk >= head_dim_v in the bf16/fp16
+cache (FlashMLA: 64, 576 or 512, and 512); the FP8 cache also in dense decode and a bf16 cache also in sparse
+decode; fp32 inputs and ``return_lse=False`` in flash_attn_varlen_func. Not supported (ValueError):
+``extra_k_cache`` / ``extra_indices_in_kvcache`` / ``extra_topk_length``, the d_qk = 512 FP8 layout ("MODEL1"),
+dropout; no autograd (flash_attn_varlen_func returns plain tensors).
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ MIN_SPLIT_TILES = 4   # a split of a long cache covers at least this many tiles
 ROW_BLOCK = 128       # query rows one decode block keeps (more rows: several row blocks)
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd",
-           "flash_attn_varlen_func", "quantize_kv_cache_fp8", "dequantize_kv_cache_fp8"]
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "quantize_kv_cache_fp8", "dequantize_kv_cache_fp8"]
 
 
 @dataclasses.dataclass
@@ -562,4 +567,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
         kern = _flash.get(_target(), h_q, h_kv, d, dv, bool(causal), _dt(q.dtype), bm, bn)
         kern(q.contiguous(), k.contiguous(), v.contiguous(), cq, ck, out, lse, max(1, -(-max_q // bm)), scale)
     return (out, lse.T) if return_lse else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, head_dim_qk, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, deterministic=False, is_varlen=True):
+    """``flash_attn_varlen_func`` on qkv [total, h, 2 * head_dim_qk + d_v] (q, k, v side by side in the last dim,
+    one sequence layout for all three)."""
+    _check_tensor("qkv", qkv, 3)
+    q, k, v = qkv[..., :head_dim_qk], qkv[..., head_dim_qk:2 * head_dim_qk], qkv[..., 2 * head_dim_qk:]
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, deterministic, is_varlen)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, head_dim_qk,
+                                    dropout_p=0.0, softmax_scale=None, causal=False, deterministic=False,
+                                    is_varlen=True):
+    """``flash_attn_varlen_func`` with kv [total_k, h_kv, head_dim_qk + d_v] (k and v side by side)."""
+    _check_tensor("kv", kv, 3)
+    return flash_attn_varlen_func(q, kv[..., :head_dim_qk], kv[..., head_dim_qk:], cu_seqlens_qo, cu_seqlens_kv,
+                                  max_seqlen_qo, max_seqlen_kv, dropout_p, softmax_scale, causal, deterministic,
+                                  is_varlen)
 

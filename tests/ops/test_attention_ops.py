@@ -189,12 +189,12 @@ def sparse_case(b, s_q, h_q, topk, n_blocks, ps, d, fp8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_sparse_decode(fp8):
-    b, s_q, h_q, topk, d, dv, ps = 2, 2, 16, 192, 576, 512, 64
+    b, s_q, h_q, topk, d, dv, ps = 2, 2, 16, 600, 576, 512, 64     # 600 keys per query: split, then combined
     stored, deq, idx = sparse_case(b, s_q, h_q, topk, 10, ps, d, fp8)
     q = query((b, s_q, h_q, d), torch.bfloat16)
     sink = torch.randn(h_q)
     sink[0], sink[1] = math.inf, -math.inf
-    topk_length = torch.tensor([150, topk], dtype=torch.int32)
+    topk_length = torch.tensor([450, topk], dtype=torch.int32)
     out, lse = A.flash_mla_with_kvcache(q, stored, None, None, dv, A.get_mla_metadata()[0], is_fp8_kvcache=fp8,
                                         indices=idx, attn_sink=sink, topk_length=topk_length)
     ro, rl, _ = ref_sparse(q.view(b * s_q, h_q, d), deq, idx.view(b * s_q, topk),
@@ -322,6 +322,11 @@ def test_flash_attn_varlen(dtype, h_q, h_kv, d, dv, causal):
     check("lse", lse, rl, 1e-5, 1e-5)
     assert torch.equal(A.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), softmax_scale=0.1, causal=causal,
                                                 return_lse=False), out)
+    if h_q == h_kv and d == dv:   # FlashMLA's packed forms slice the same tensors
+        kv = torch.cat([k, v], -1)
+        packed, _ = A.flash_attn_varlen_kvpacked_func(q, kv, cq, ck, max(lq), max(lk), d, softmax_scale=0.1,
+                                                      causal=causal)
+        assert torch.equal(packed, out)
 
 
 def test_flash_attn_varlen_interp(interp):
