@@ -218,8 +218,8 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
     if not fp8:
         return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
     kb = ceil_div(k, SF_K)
-    ck = next(c for c in ((4, 2, 1) if bm <= 64 else (2, 1)) if kb % c == 0) * SF_K
-    return bm, 128, ck
+    ck = next(c for c in ((4, 2, 1) if bm <= 64 or grouped else (2, 1)) if kb % c == 0) * SF_K
+    return bm, 256 if grouped and bm == 128 else 128, ck
 
 
 _DUMMY = {}
