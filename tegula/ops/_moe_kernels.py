@@ -1,0 +1,362 @@
+"""The T.* kernels behind ``tegula.ops.moe``: top-k gating, DeepSeek's group-limited routing, weight
+normalisation, and the token <-> per-expert contiguous layout (mapping, expand, reduce)."""
+from __future__ import annotations
+
+import tegula.language as T
+from tegula.ops._tk_math import exp_f32, fma_f32
+
+NEG_INF = float("-inf")
+SIGMOID, SQRTSOFTPLUS, SOFTMAX = 0, 1, 2
+
+
+@T.macro
+def select_topk(v, taken, out_idx, BM, E, K):
+    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index), for k < K; marks them in ``taken``."""
+    mx = T.alloc_fragment((BM,), "float32")
+    cand = T.alloc_fragment((BM, E), "int32")
+    best = T.alloc_fragment((BM,), "int32")
+    masked = T.alloc_fragment((BM, E), "float32")
+    T.fill(taken, 0)
+    for k in T.serial(K):
+        for i, j in T.Parallel(BM, E):
+            masked[i, j] = T.if_then_else(taken[i, j] != 0, NEG_INF, v[i, j])
+        T.reduce_max(masked, mx, dim=1)
+        for i, j in T.Parallel(BM, E):
+            cand[i, j] = T.if_then_else(taken[i, j] == 0 and masked[i, j] == mx[i], j, E)
+        T.reduce_min(cand, best, dim=1)
+        for i, j in T.Parallel(BM, E):
+            if j == best[i]:
+                taken[i, j] = 1
+        for i in T.Parallel(BM):
+            out_idx[i, k] = best[i]
+
+
+def topk_gate(E, K, BM=8):
+    """S (num_tokens, E) float32 -> I (num_tokens, K) int64: the K largest per row, descending, ties to the lower
+    index."""
+    NT = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def topk_gate(S: T.Tensor((NT, E), "float32"), I: T.Tensor((NT, K), "int64")):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            v = T.alloc_fragment((BM, E), "float32")
+            taken = T.alloc_fragment((BM, E), "int32")
+            idx = T.alloc_fragment((BM, K), "int32")
+            T.copy(S[by * BM, 0], v)
+            select_topk(v, taken, idx, BM, E, K)
+            T.copy(idx, I[by * BM, 0])
+    return topk_gate
+
+
+def normalize_weight(K, BM=64):
+    """W (num_tokens, K) -> D (num_tokens,) = 1e-20 + W[:, 0] + W[:, 1] + ... (in that order), N = W / D."""
+    NT = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
+                         N: T.Tensor((NT, K), "float32")):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            w = T.alloc_fragment((BM, K), "float32")
+            d = T.alloc_fragment((BM,), "float32")
+            T.copy(W[by * BM, 0], w)
+            T.fill(d, 1e-20)
+            for k in T.serial(K):
+                for i in T.Parallel(BM):
+                    d[i] = d[i] + w[i, k]
+            for i, k in T.Parallel(BM, K):
+                w[i, k] = w[i, k] / d[i]
+            T.copy(d, D[by * BM])
+            T.copy(w, N[by * BM, 0])
+    return normalize_weight
+
+
+@T.macro
+def log1p_f32(u):
+    """log(1 + u), accurate for small u (Goldberg: log(w) * u / (w - 1) with w = 1 + u)."""
+    w = 1.0 + u
+    return T.if_then_else(w == 1.0, u, T.log(w) * (u / (w - 1.0)))
+
+
+def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=8):
+    """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate."""
+    NT, NL, ND, UST = T.dynamic("num_tokens"), T.dynamic("num_logical"), T.dynamic("num_dup"), T.dynamic("u_stride")
+    NM, NF = T.dynamic("mask_len"), T.dynamic("fix_len")
+    KP = K + n_shared
+    grouped = NG != NTG
+    EPG = E // NG if grouped else E
+
+    @T.prim_func
+    def top2_sum_gate(L: T.Tensor((NT, E), "float32"), B: T.Tensor((E,), "float32"), M: T.Tensor((NM,), "int8"),
+                      F: T.Tensor((NF,), "int8"), PM: T.Tensor((NL, ND), "int32"), LC: T.Tensor((NL,), "int32"),
+                      I: T.Tensor((NT, KP), "int64"), U: T.StridedTensor((NT, K), (UST, 1), "int64"),
+                      Wo: T.Tensor((NT, KP), "float32"), num_extra: T.int32, scale: T.float32, ep_rank: T.int32,
+                      num_ep_ranks: T.int32, tp_rank: T.int32, num_tp_ranks: T.int32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            lg = T.alloc_fragment((BM, E), "float32")
+            bias = T.alloc_fragment((E,), "float32")
+            s = T.alloc_fragment((BM, E), "float32")
+            b = T.alloc_fragment((BM, E), "float32")
+            T.copy(L[r0, 0], lg)
+            T.copy(B[0], bias)
+            if scoring == SOFTMAX:
+                mx = T.alloc_fragment((BM,), "float32")
+                sm = T.alloc_fragment((BM,), "float32")
+                T.reduce_max(lg, mx, dim=1)
+                for i, j in T.Parallel(BM, E):
+                    s[i, j] = exp_f32(lg[i, j] - mx[i])
+                T.fill(sm, 0.0)
+                for j in T.serial(E):
+                    for i in T.Parallel(BM):
+                        sm[i] = sm[i] + s[i, j]
+                for i, j in T.Parallel(BM, E):
+                    s[i, j] = s[i, j] / sm[i]
+                    b[i, j] = lg[i, j] + bias[j]
+            else:
+                for i, j in T.Parallel(BM, E):
+                    x = lg[i, j]
+                    if scoring == SIGMOID:
+                        s[i, j] = 1.0 / (1.0 + exp_f32(-x))
+                    else:
+                        s[i, j] = T.sqrt(T.if_then_else(x > 20.0, x, log1p_f32(exp_f32(x))))
+                    b[i, j] = s[i, j] + bias[j]
+            if grouped:  # keep the NTG groups with the largest sum of their top two (ties: the lower group)
+                bg = T.reshape(b, (BM, NG, EPG))
+                t1 = T.alloc_fragment((BM, NG), "float32")
+                t2 = T.alloc_fragment((BM, NG), "float32")
+                first = T.alloc_fragment((BM, NG), "int32")
+                c1 = T.alloc_fragment((BM, NG, EPG), "int32")
+                rest = T.alloc_fragment((BM, NG, EPG), "float32")
+                T.reduce_max(bg, t1, dim=2)
+                for i, g, j in T.Parallel(BM, NG, EPG):
+                    c1[i, g, j] = T.if_then_else(bg[i, g, j] == t1[i, g], j, EPG)
+                T.reduce_min(c1, first, dim=2)
+                for i, g, j in T.Parallel(BM, NG, EPG):
+                    rest[i, g, j] = T.if_then_else(j == first[i, g], NEG_INF, bg[i, g, j])
+                T.reduce_max(rest, t2, dim=2)
+                for i, g in T.Parallel(BM, NG):
+                    t1[i, g] = t1[i, g] + t2[i, g]
+                above = T.alloc_fragment((BM, NG, NG), "int32")
+                rank = T.alloc_fragment((BM, NG), "int32")
+                for i, g, h in T.Parallel(BM, NG, NG):
+                    above[i, g, h] = T.cast(t1[i, h] > t1[i, g] or (t1[i, h] == t1[i, g] and h < g), "int32")
+                T.reduce_sum(above, rank, dim=2)
+                for i, g, j in T.Parallel(BM, NG, EPG):
+                    if rank[i, g] >= NTG:
+                        bg[i, g, j] = NEG_INF
+            taken = T.alloc_fragment((BM, E), "int32")
+            sel = T.alloc_fragment((BM, K), "int32")
+            select_topk(b, taken, sel, BM, E, K)
+            if fix_on:
+                for i, k in T.Parallel(BM, K):
+                    r = T.min(r0 + i, NT - 1)
+                    if F[T.min(r, NF - 1)] != 0:
+                        sel[i, k] = T.cast(T.clamp(U[r, k], 0, E - 1), "int32")
+            wsel = T.alloc_fragment((BM, K), "float32")
+            tot = T.alloc_fragment((BM,), "float32")
+            for i, k in T.Parallel(BM, K):
+                wsel[i, k] = s[i, sel[i, k]]
+            T.fill(tot, 1e-20)
+            for k in T.serial(K):
+                for i in T.Parallel(BM):
+                    tot[i] = tot[i] + wsel[i, k]
+            idx = T.alloc_fragment((BM, KP), "int64")
+            wt = T.alloc_fragment((BM, KP), "float32")
+            for i, k in T.Parallel(BM, KP):
+                if k < K:
+                    idx[i, k] = T.cast(sel[i, T.min(k, K - 1)], "int64")
+                    wt[i, k] = wsel[i, T.min(k, K - 1)] / tot[i] * scale
+                else:
+                    idx[i, k] = T.cast(E + k - K, "int64")
+                    wt[i, k] = 1.0
+            active = T.alloc_fragment((BM,), "int32")
+            for i in T.Parallel(BM):
+                active[i] = T.cast(M[T.min(r0 + i, NM - 1)] != 0, "int32") if mask_on else 1
+            if unmapped_on:
+                for i, k in T.Parallel(BM, K):
+                    if r0 + i < NT:
+                        U[r0 + i, k] = T.if_then_else(active[i] != 0, idx[i, k], T.cast(-1, "int64"))
+            epr = (E + num_extra) // num_ep_ranks
+            epd = epr * num_tp_ranks
+            for i, k in T.Parallel(BM, KP):
+                e = idx[i, k]
+                if phys_on:
+                    tok = T.cast(r0 + i, "int64")
+                    dup = (T.cast(ep_rank, "int64") + tok * 23333) % T.cast(LC[T.cast(e, "int32")], "int64")
+                    e = T.cast(PM[T.cast(e, "int32"), T.cast(dup, "int32")], "int64")
+                dst = e // T.cast(epr, "int64")
+                e2 = e - T.cast(tp_rank * epr, "int64")
+                dp = e2 // T.cast(epd, "int64")
+                e2 = e2 - dp * T.cast(epd, "int64") + dp * T.cast(epr, "int64")
+                e2 = T.if_then_else(dst % T.cast(num_tp_ranks, "int64") != T.cast(tp_rank, "int64") or e2 < 0,
+                                    T.cast(-1, "int64"), e2)
+                idx[i, k] = T.if_then_else(active[i] != 0, e2, T.cast(-1, "int64"))
+                wt[i, k] = T.if_then_else(active[i] != 0, wt[i, k], 0.0)
+            T.copy(idx, I[r0, 0])
+            T.copy(wt, Wo[r0, 0])
+    return top2_sum_gate
+
+
+# token <-> per-expert contiguous layout ------------------------------------------------------------------------
+
+def expert_histogram(E, CH=4096):
+    """Counts of each expert among CH consecutive entries of the flat top-k index: Hst (num_chunks, E)."""
+    NE_, NC = T.dynamic("num_entries"), T.dynamic("num_chunks")
+
+    @T.prim_func
+    def expert_histogram(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32")):
+        with T.Kernel(NC) as b:
+            cnt = T.alloc_fragment((E,), "int32")
+            T.fill(cnt, 0)
+            for i in T.serial(T.min(CH, NE_ - b * CH)):
+                e = Idx[b * CH + i]
+                if e >= 0:
+                    cnt[T.cast(e, "int32")] = cnt[T.cast(e, "int32")] + 1
+            T.copy(cnt, Hst[b, 0])
+    return expert_histogram
+
+
+def expert_layout(E):
+    """One block: per-expert sizes aligned up to ``alignment``, their ranges, and each chunk's first position
+    per expert (written over Hst)."""
+    NC = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def expert_layout(Hst: T.Tensor((NC, E), "int32"), Start: T.Tensor((E,), "int32"), End: T.Tensor((E,), "int32"),
+                      Count: T.Tensor((E,), "int32"), alignment: T.int32):
+        with T.Kernel(1) as _b:
+            tot = T.alloc_fragment((E,), "int32")
+            run = T.alloc_fragment((E,), "int32")
+            T.fill(tot, 0)
+            for c in T.serial(NC):
+                for e in T.Parallel(E):
+                    tot[e] = tot[e] + Hst[c, e]
+            acc = T.alloc_var("int32", 0)
+            for e in T.serial(E):
+                n = (tot[e] + alignment - 1) // alignment * alignment
+                Start[e] = acc
+                Count[e] = n
+                run[e] = acc
+                acc = acc + n
+                End[e] = acc
+            for c in T.serial(NC):
+                for e in T.Parallel(E):
+                    h = Hst[c, e]
+                    Hst[c, e] = run[e]
+                    run[e] = run[e] + h
+    return expert_layout
+
+
+def fill_i32(BLK=4096):
+    N = T.dynamic("n")
+
+    @T.prim_func
+    def fill_i32(A: T.Tensor((N,), "int32"), B: T.Tensor((N,), "int32"), C: T.Tensor((N,), "int32"), v: T.int32):
+        with T.Kernel(T.ceildiv(N, BLK)) as b:
+            for i in T.Parallel(BLK):
+                if b * BLK + i < N:
+                    A[b * BLK + i] = v
+                    B[b * BLK + i] = v
+                    C[b * BLK + i] = v
+    return fill_i32
+
+
+def expert_scatter(E, K, CH=4096):
+    """Each entry's position: its chunk's running position for its expert (entries in order)."""
+    NE_, NC, NP = T.dynamic("num_entries"), T.dynamic("num_chunks"), T.dynamic("num_positions")
+
+    @T.prim_func
+    def expert_scatter(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32"), TTP: T.Tensor((NE_,), "int32"),
+                       P2E: T.Tensor((NP,), "int32"), P2T: T.Tensor((NP,), "int32"), P2TT: T.Tensor((NP,), "int32")):
+        with T.Kernel(NC) as b:
+            run = T.alloc_fragment((E,), "int32")
+            T.copy(Hst[b, 0], run)
+            for i in T.serial(T.min(CH, NE_ - b * CH)):
+                n = b * CH + i
+                e = T.cast(Idx[n], "int32")
+                if e >= 0:
+                    p = run[e]
+                    run[e] = p + 1
+                    TTP[n] = p
+                    P2E[p] = e
+                    P2T[p] = n // K
+                    P2TT[p] = n
+                else:
+                    TTP[n] = -1
+    return expert_scatter
+
+
+def expand_rows(BW=1024):
+    """Out[p] = X[t] for every (t, k) with p = TTP[t, k] >= 0, and Out[p] = 0 where P2E[p] < 0; rows of bytes."""
+    NT, K, NP, C = T.dynamic("num_tokens"), T.dynamic("num_topk"), T.dynamic("num_positions"), T.dynamic("cols")
+
+    @T.prim_func
+    def expand_rows(X: T.Tensor((NT, C), "uint8"), TTP: T.Tensor((NT, K), "int32"), P2E: T.Tensor((NP,), "int32"),
+                    Out: T.Tensor((NP, C), "uint8")):
+        with T.Kernel(T.ceildiv(C, BW), T.max(NT, NP)) as (bx, r):
+            row = T.alloc_fragment((BW,), "uint8")
+            if r < NP:
+                if P2E[r] < 0:
+                    T.fill(row, 0)
+                    T.copy(row, Out[r, bx * BW])
+            if r < NT:
+                T.copy(X[r, bx * BW], row)
+                for k in T.serial(K):
+                    p = TTP[r, k]
+                    if p >= 0:
+                        T.copy(row, Out[p, bx * BW])
+    return expand_rows
+
+
+def expand_sf(BW=64):
+    """The scale rows of expand_rows: Out[p, :] = S[t, :] (int32 words; Out has any strides)."""
+    NT, K, NP, C = T.dynamic("num_tokens"), T.dynamic("num_topk"), T.dynamic("num_positions"), T.dynamic("cols")
+    OSM, OSK = T.dynamic("o_sm"), T.dynamic("o_sk")
+
+    @T.prim_func
+    def expand_sf(S: T.Tensor((NT, C), "int32"), TTP: T.Tensor((NT, K), "int32"), P2E: T.Tensor((NP,), "int32"),
+                  Out: T.StridedTensor((NP, C), (OSM, OSK), "int32")):
+        with T.Kernel(T.ceildiv(C, BW), T.max(NT, NP)) as (bx, r):
+            row = T.alloc_fragment((BW,), "int32")
+            if r < NP:
+                if P2E[r] < 0:
+                    T.fill(row, 0)
+                    T.copy(row, Out[r, bx * BW])
+            if r < NT:
+                T.copy(S[r, bx * BW], row)
+                for k in T.serial(K):
+                    p = TTP[r, k]
+                    if p >= 0:
+                        T.copy(row, Out[p, bx * BW])
+    return expand_sf
+
+
+def reduce_fused(in_dtype, out_dtype, with_weights, with_xsf, with_sf, W=1024):
+    """Out[t] = sum over k of X[TTP[t, k]] * (w[t, k] * xsf[pos]) accumulated as fused multiply-adds in k order,
+    times sf[0]; positions < 0 skipped."""
+    NT, K, NP, H = T.dynamic("num_tokens"), T.dynamic("num_topk"), T.dynamic("num_positions"), T.dynamic("hidden")
+    NWT, NXS = T.dynamic("nw"), T.dynamic("nxs")
+
+    @T.prim_func
+    def reduce_fused(X: T.Tensor((NP, H), in_dtype), Wt: T.Tensor((NWT,), "float32"), TTP: T.Tensor((NT, K), "int32"),
+                     Out: T.Tensor((NT, H), out_dtype), SF: T.Tensor((1,), "float32"), XS: T.Tensor((NXS,), "float32")):
+        with T.Kernel(T.ceildiv(H, W), NT) as (bx, t):
+            acc = T.alloc_fragment((W,), "float32")
+            xr = T.alloc_fragment((W,), "float32")
+            T.fill(acc, 0.0)
+            for k in T.serial(K):
+                p = TTP[t, k]
+                if p >= 0:
+                    sv = T.alloc_var("float32", 1.0)
+                    if with_weights:
+                        sv = Wt[t * K + k]
+                    if with_xsf:
+                        sv = sv * XS[p]
+                    T.copy(X[p, bx * W], xr)
+                    for j in T.Parallel(W):
+                        acc[j] = fma_f32(xr[j], sv, acc[j])
+            if with_sf:
+                for j in T.Parallel(W):
+                    acc[j] = acc[j] * SF[0]
+            T.copy(acc, Out[t, bx * W])
+    return reduce_fused
