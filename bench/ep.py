@@ -10,7 +10,8 @@ a barrier and its time is the slowest rank's; the table gives the median over re
 memcpy = one process (rank 0 widened to all cores, the other ranks waiting) copying the same bytes into a warm
 buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted in bytes copied. gloo =
 all_to_all_single of the same per-destination bytes. The four are interleaved in every repeat, so all of them see
-the same machine load.
+the same machine load. CPU ms (process CPU time; the memcpy's is summed over its threads) tells how much of a
+time was work when the machine is shared.
 """
 from __future__ import annotations
 
@@ -53,9 +54,9 @@ def _worker(args) -> None:
 
     def timed(fn):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
-        return time.perf_counter() - t0, out
+        return (time.perf_counter() - t0, time.process_time() - c0), out
 
     # a bare gloo all_to_all_single of the same bytes of x
     send_bytes = [int(n) * h * 2 for n in per_rank.tolist()]
@@ -71,24 +72,31 @@ def _worker(args) -> None:
     def memcpy():
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
-        t0 = time.perf_counter()
-        cpy_dst.copy_(cpy_src)
-        t1 = time.perf_counter()
-        np.copyto(cpy_dst.numpy(), cpy_src.numpy())  # glibc memcpy: non-temporal stores at this size
-        t2 = time.perf_counter()
+        best = None
+        for fn in (lambda: cpy_dst.copy_(cpy_src),  # torch, every core
+                   lambda: np.copyto(cpy_dst.numpy(), cpy_src.numpy())):  # glibc memcpy: non-temporal stores here
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            t = (time.perf_counter() - t0, time.process_time() - c0)
+            best = t if best is None or t[0] < best[0] else best
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        return min(t1 - t0, t2 - t1)
+        return best
 
-    times = {"dispatch": [], "combine": [], "gloo": [], "memcpy": []}
+    times = {"dispatch": [], "combine": [], "combine_private": [], "gloo": [], "memcpy": []}
+    expert_out = None
     for i in range(args.reps + 2):  # the first two warm up both receive slots and the kernels
         dt, (recv_x, _, recv_w, _, handle, _) = timed(dispatch)
-        ct, _ = timed(lambda: buf.combine(recv_x, handle, recv_w))
+        ct, _ = timed(lambda: buf.combine(recv_x, handle, recv_w))  # x in the segment: read in place
+        if expert_out is None or expert_out.shape != recv_x.shape:
+            expert_out = torch.empty_like(recv_x)
+        expert_out.copy_(recv_x)
+        pt, _ = timed(lambda: buf.combine(expert_out, handle, recv_w))  # x a private tensor: copied over
         gt, _ = timed(lambda: dist.all_to_all_single(a2a_dst, a2a_src, recv_split, send_bytes))
         dist.barrier()
-        mt = memcpy() if rank == 0 else 0.0
+        mt = memcpy() if rank == 0 else (0.0, 0.0)
         if i >= 2:
-            for name, v in zip(times, (dt, ct, gt, mt)):
+            for name, v in zip(times, (dt, ct, pt, gt, mt)):
                 times[name].append(v)
     recv_bytes = recv_x.numel() * recv_x.element_size()
     out = [None] * world
@@ -134,21 +142,28 @@ def main() -> None:
             ranks = json.load(f)
     nbytes = statistics.mean(r["bytes"] for r in ranks)
 
-    def slowest(key):
-        return [max(r[key][i] for r in ranks) for i in range(len(ranks[0][key]))]
+    names = {"dispatch": "dispatch", "combine": "combine (x = recv_x, read in place)",
+             "combine_private": "combine (x a private tensor)", "memcpy": "memcpy (1 process, all cores)",
+             "gloo": "gloo all_to_all_single"}
 
-    medians = {k: statistics.median(slowest(k)) for k in ("dispatch", "combine", "gloo", "memcpy")}
+    def slowest(key):  # per repeat, the slowest rank's wall time
+        return [max(r[key][i][0] for r in ranks) for i in range(len(ranks[0][key]))]
+
+    def cpu(key):  # per repeat, the CPU time summed over the ranks that took part, per rank
+        busy = [r for r in ranks if any(c for _, c in r[key])]
+        return statistics.median(sum(r[key][i][1] for r in busy) / len(busy) for i in range(len(ranks[0][key])))
+
+    medians = {k: statistics.median(slowest(k)) for k in names}
     rows = []
-    for name, label in (("dispatch", "dispatch"), ("combine", "combine"), ("memcpy", "memcpy (1 process, all cores)"),
-                        ("gloo", "gloo all_to_all_single")):
-        ts = slowest(name)
-        rows.append([label, medians[name] * 1e3, f"{min(ts) * 1e3:.3g}-{max(ts) * 1e3:.3g}",
-                     nbytes / medians[name] / 1e9, medians["memcpy"] / medians[name], medians["gloo"] / medians[name]])
+    for key, label in names.items():
+        ts = slowest(key)
+        rows.append([label, medians[key] * 1e3, f"{min(ts) * 1e3:.3g}-{max(ts) * 1e3:.3g}", cpu(key) * 1e3,
+                     nbytes / medians[key] / 1e9, medians["memcpy"] / medians[key], medians["gloo"] / medians[key]])
     print(f"\ntegula.ep on this machine: {args.ranks} ranks x {args.tokens} tokens, hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, bf16; transports of rank 0: {ranks[0]['transports']}; "
           f"{nbytes / 1e6:.1f} MB received per rank; {args.reps} repeats")
-    print_table("per rank (median; spread = min-max over repeats, slowest rank each)",
-                ["", "ms", "spread ms", "GB/s", "x memcpy", "x gloo"], rows)
+    print_table("per rank (median; spread = min-max over repeats, slowest rank each; CPU = process CPU time)",
+                ["", "ms", "spread ms", "CPU ms", "GB/s", "x memcpy", "x gloo"], rows)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class Buffer:
         self._kinds = self._comm.kinds[self.rank]
         self._num_dispatches = self._num_ll_dispatches = 0
         self._zero_copy = None
+        self._private = {}  # receive regions of a rank that receives outside shared memory
 
     @property
     def transports(self) -> list[str]:
@@ -265,8 +266,12 @@ class Buffer:
         be written there; or fresh tensors, for this rank when it receives outside shared memory."""
         import torch
         shm = self._comm.shm
-        if device.type != "cpu" or shm is None or rank not in shm.segs:
-            return plan.views(kernels.empty((plan.nbytes,), torch.uint8, device))
+        if device.type != "cpu" or shm is None or rank not in shm.segs:  # this rank's own, outside shared memory:
+            key = (offset, str(device))  # one buffer per region, reused like the segment's
+            have = self._private.get(key)
+            if have is None or have.numel() < plan.nbytes:
+                have = self._private[key] = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+            return plan.views(have[:plan.nbytes])
         if plan.nbytes > capacity:
             raise ValueError(f"tegula.ep: {what}: rank {rank} must receive {plan.nbytes} bytes but its region holds "
                              f"{capacity}; make the Buffer larger (see Buffer.get_nvl_buffer_size_hint and "

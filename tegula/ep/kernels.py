@@ -77,6 +77,41 @@ def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
     return gather_sum
 
 
+@tegula.jit(target="c")
+def cast_to_fp8_kernel(dtype: str, round_scale: bool):
+    """Per token and 128 channels: amax = max(|x|, 1e-4) over the group; Q = x * (448 / amax) in e4m3 (RNE,
+    saturating), S = amax / 448 (one float32 division each). ``round_scale``: S = 2^ceil(log2(amax / 448)) from
+    the bits, Q = x / S."""
+    N = T.dynamic("N")
+    H = T.dynamic("H")
+    G = T.dynamic("G")
+
+    @T.prim_func
+    def cast_to_fp8(X: T.Tensor((N, H), dtype), Q: T.Tensor((N, H), "float8_e4m3fn"), S: T.Tensor((N, G), "float32")):
+        with T.Kernel(N, threads=128) as t:
+            v = T.alloc_fragment((128,), "float32")
+            amax = T.alloc_fragment((1,), "float32")
+            for g in T.serial(G):
+                for j in T.Parallel(128):
+                    v[j] = X[t, g * 128 + j]
+                T.reduce_absmax(v, amax, dim=0)
+                a = T.max(amax[0], T.float32(1e-4))
+                if round_scale:
+                    bits = T.reinterpret(a / T.float32(448.0), "int32")
+                    e = ((bits >> 23) & 255) - 127 + T.if_then_else((bits & 8388607) != 0, 1, 0)
+                    S[t, g] = T.reinterpret((e + 127) << 23, "float32")
+                    scale = T.reinterpret((127 - e) << 23, "float32")
+                    for j in T.Parallel(128):
+                        Q[t, g * 128 + j] = v[j] * scale
+                else:
+                    S[t, g] = a / T.float32(448.0)
+                    scale = T.float32(448.0) / a
+                    for j in T.Parallel(128):
+                        Q[t, g * 128 + j] = v[j] * scale
+
+    return cast_to_fp8
+
+
 _COMPILED: dict = {}
 _THP_BYTES = 4 << 20
 
@@ -161,6 +196,31 @@ def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
     unread = idx.view(torch.float32)[:, ::2] if w is None else w  # the kernel's w and bias when they are not used
     k(a, b, idx, unread.contiguous(), bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
     return out
+
+
+def cast_to_fp8(x, round_scale: bool = False):
+    """x [T, H] (H % 128 == 0) -> (fp8 e4m3 [T, H], float32 scales [T, H/128]): each 128-channel group of a token
+    scaled by 448 / max(|x|, 1e-4), one float32 division (torch's ``448.0 / t`` multiplies by a reciprocal instead);
+    the scale kept is amax / 448. ``round_scale``: a power of two, 2^ceil(log2(amax / 448))."""
+    import torch
+    t, h = x.shape
+    q = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((t, h // 128), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, s
+    if _compiled(x):
+        cast_to_fp8_kernel(str(x.dtype)[6:], bool(round_scale))(x.contiguous(), q, s)
+        return q, s
+    xf = x.float().view(t, h // 128, 128)
+    amax = xf.abs().amax(dim=2).clamp(min=1e-4)
+    if round_scale:
+        s.copy_(torch.exp2(torch.ceil(torch.log2(amax / 448.0))))
+        scale = torch.exp2(-torch.log2(s))
+    else:
+        s.copy_(amax / 448.0)
+        scale = torch.full_like(amax, 448.0) / amax
+    q.copy_((xf * scale.unsqueeze(2)).view(t, h))
+    return q, s
 
 
 def _gather_sum_torch(a, b, idx, w, bias, out):

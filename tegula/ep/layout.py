@@ -131,21 +131,6 @@ def expert_positions(topk_idx, num_experts: int):
     return order, experts, pos, counts
 
 
-def per_token_cast_to_fp8(x, round_scale: bool = False):
-    """x [T, H] -> (fp8 e4m3 [T, H], float32 scales [T, H/128]): each 128-channel group scaled so its absolute
-    maximum (at least 1e-4) maps to 448; ``round_scale`` rounds the scale up to a power of two."""
-    import torch
-    t, h = x.shape
-    xf = x.float().view(t, h // 128, 128)
-    amax = xf.abs().amax(dim=2).clamp(min=1e-4)
-    if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    else:
-        scale_inv = amax / 448.0
-    q = (xf * (1.0 / scale_inv).unsqueeze(2) if round_scale else xf * (448.0 / amax).unsqueeze(2))
-    return q.to(torch.float8_e4m3fn).view(t, h), scale_inv
-
-
 def pack_ue8m0(scale_inv):
     """float32 power-of-two scales [T, S] -> int32 [T, S/4]: the exponent bytes, four per word, lowest first."""
     import torch

@@ -16,7 +16,6 @@ from tegula.ep.layout import (
     expert_positions,
     ll_dispatch_plan,
     pack_ue8m0,
-    per_token_cast_to_fp8,
     ranges,
 )
 from tegula.ep.transport import OP_LL_COMBINE, OP_LL_DISPATCH
@@ -59,7 +58,7 @@ def dispatch(buf, x, topk_idx, m, num_experts, recv_stats, use_fp8, round_scale,
     buf._num_ll_dispatches += 1
 
     if use_fp8:
-        xq, scale_inv = per_token_cast_to_fp8(x, round_scale)
+        xq, scale_inv = kernels.cast_to_fp8(x, round_scale)
         scales = pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv
     else:
         xq, scales = x.to(torch.bfloat16).contiguous(), None

@@ -81,14 +81,24 @@ class Segment:
         self.chunks = np.zeros(-(-size // _CHUNK), dtype=bool)
         self.chunks[:CTRL_BYTES // _CHUNK] = True
 
-    def reserve(self, start: int, end: int) -> None:
-        """Back bytes [start, end) with memory before they are written: a full /dev/shm raises OSError here
-        instead of killing the process with SIGBUS on first touch."""
-        lo, hi = start // _CHUNK, -(-end // _CHUNK)
-        if end <= start or self.chunks[lo:hi].all():
+    def reserve(self, spans) -> None:
+        """Back the byte ranges ``spans`` ([(start, end), ...]) with memory before they are written: a full
+        /dev/shm raises OSError here instead of killing the process with SIGBUS on first touch."""
+        import numpy as np
+        se = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        se = se[se[:, 1] > se[:, 0]]
+        if not len(se):
             return
-        _reserve(self.fd, lo * _CHUNK, min(hi * _CHUNK, self.size) - lo * _CHUNK, self.path)
-        self.chunks[lo:hi] = True
+        edges = np.zeros(len(self.chunks) + 1, dtype=np.int64)
+        np.add.at(edges, se[:, 0] // _CHUNK, 1)
+        np.add.at(edges, -(-se[:, 1] // _CHUNK), -1)
+        missing = (np.cumsum(edges)[:-1] > 0) & ~self.chunks
+        if not missing.any():
+            return
+        flips = np.flatnonzero(np.diff(np.concatenate(([0], missing.astype(np.int8), [0]))))
+        for lo, hi in zip(flips[::2], flips[1::2]):  # each run of missing chunks, in one call
+            _reserve(self.fd, int(lo) * _CHUNK, min(int(hi) * _CHUNK, self.size) - int(lo) * _CHUNK, self.path)
+        self.chunks |= missing
 
 
 class ShmGroup:
@@ -154,8 +164,8 @@ class ShmGroup:
         self.pids[rank] = (pid, start) if start is not None and _proc_start(pid) == start else (None, None)
         return True
 
-    def reserve(self, rank: int, start: int, end: int) -> None:
-        self.segs[rank].reserve(start, end)
+    def reserve(self, rank: int, spans) -> None:
+        self.segs[rank].reserve(spans)
 
     def close(self) -> None:
         for seg in self.segs.values():

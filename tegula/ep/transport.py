@@ -159,6 +159,8 @@ class Comm:
             out = [torch.empty_like(t) for _ in range(self.world)]
             dist.all_gather(out, t, group=self.group)
             return torch.stack(out).cpu().numpy()
+        if self.world == 1:
+            return np.asarray([meta], dtype=np.int64)
         peers = [r for r in self.local(device) if r != self.rank]
         self.shm.publish(meta)
         self.shm.wait_entered(peers, what)
@@ -173,8 +175,7 @@ class Comm:
         if offset + nbytes > self.shm.size:
             raise ValueError(f"tegula.ep: region [{offset}, {offset + nbytes}) is past the segment "
                              f"({self.shm.size} B)")
-        for a, b in reserve:
-            self.shm.reserve(rank, offset + a, offset + b)
+        self.shm.reserve(rank, [(offset + a, offset + b) for a, b in reserve])
         return self.shm.bytes(rank, offset, nbytes)
 
     def window_offset(self, t) -> int | None:

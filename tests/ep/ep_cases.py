@@ -168,6 +168,14 @@ def case_receives_nothing(rank, world):
     ll_roundtrip(rank, buf, tokens=t, skip_ranks=(world - 1,), world=world)
 
 
+def case_one_rank(rank, world):
+    """A world of one: everything stays local."""
+    buf = make(world=world)
+    assert buf.transports == ["self"]
+    roundtrip(rank, buf)
+    ll_roundtrip(rank, buf)
+
+
 def case_low_latency(rank, world):
     buf = make(world=world, low_latency_mode=True)
     ll_roundtrip(rank, buf)

@@ -144,14 +144,16 @@ def ll_combine(y, topk_idx, topk_weights, num_experts):
 
 
 def cast_to_fp8(x, round_scale=False):
-    """Per token and 128 channels: scale so that max(|x|, 1e-4) maps to 448 (a power of two when rounding)."""
+    """Per token and 128 channels: scale so that max(|x|, 1e-4) maps to 448 (a power of two when rounding); the
+    scale is one float32 division (``448.0 / t`` in torch would multiply by a reciprocal)."""
     t, h = x.shape
     xf = x.float().view(t, h // 128, 128)
     amax = xf.abs().amax(dim=2).clamp(min=1e-4)
     if round_scale:
         inv = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
         return (xf / inv.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h), inv
-    return (xf * (448.0 / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h), amax / 448.0
+    scale = torch.full_like(amax, 448.0) / amax
+    return (xf * scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h), amax / 448.0
 
 
 def calc_diff(x, y):

@@ -5,7 +5,8 @@ OUT.<rank> after each one (a killed rank leaves what it finished); the parent wr
     python tests/ep/ep_worker.py WORLD STORE OUT SPEC[,SPEC...]
 
 A SPEC is "all:NAME" (every rank, one group), "pairs:NAME" (ranks {0, 1}, {2, 3}, ... each run NAME as a world of
-two, at the same time) or "split:NAME0/NAME1" (pair 0 runs NAME0, pair 1 runs NAME1, other pairs nothing).
+two, at the same time), "solo:NAME" (every rank alone, a world of one) or "split:NAME0/NAME1" (pair 0 runs NAME0,
+pair 1 runs NAME1, other pairs nothing).
 """
 import json
 import os
@@ -46,6 +47,7 @@ def run_rank(rank, world, store, out, specs):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=float(os.environ.get("EP_TEST_GLOO_TIMEOUT", "30"))))
     pairs = [dist.new_group([p, p + 1]) for p in range(0, world - 1, 2)]
+    solos = [dist.new_group([r]) for r in range(world)]
     import ep_cases as cases
     import ep_reference as ref
     results = {"startup_s": round(time.monotonic() - started, 3)}
@@ -53,6 +55,8 @@ def run_rank(rank, world, store, out, specs):
         mode, name = spec.split(":")
         if mode == "all":
             ref.GROUP, r, n = None, rank, world
+        elif mode == "solo":
+            ref.GROUP, r, n = solos[rank], 0, 1
         else:
             if rank // 2 >= len(pairs):
                 continue

@@ -1,8 +1,9 @@
 """tegula.ep across processes of this machine, against a plain torch.distributed reference (ep_reference.py).
 
-One world of four rank processes (gloo on loopback) runs everything, bounded in time: the cases of ep_cases.py as
-two worlds of two ranks at once ({0, 1} and {2, 3}), then as one world of four; then a late rank (timeout by
-name), a rank killed in the middle of a dispatch and a rank killed while the segments are being mapped."""
+One world of four rank processes (gloo on loopback) runs everything, bounded in time: a world of one per rank; the
+cases of ep_cases.py as two worlds of two ranks at once ({0, 1} and {2, 3}), then as one world of four; then a late
+rank (timeout by name), a rank killed in the middle of a dispatch and a rank killed while the segments are being
+mapped."""
 import os
 
 import pytest
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /de
 BOTH = ["layout", "dispatch_combine", "fp8_dispatch", "alignment_cached_worst", "receives_nothing", "low_latency",
         "low_latency_fp8", "transport_dist", "torch_fallback"]
 FOUR = BOTH + ["transport_mixed", "mismatch"]
-SPECS = [f"pairs:{c}" for c in BOTH] + [f"all:{c}" for c in FOUR] + ["pairs:hung", "split:killed/killed_in_setup"]
+SPECS = ["solo:one_rank"] + [f"pairs:{c}" for c in BOTH] + [f"all:{c}" for c in FOUR] + [
+    "pairs:hung", "split:killed/killed_in_setup"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,10 @@ def test_two_ranks(world, case):
 @pytest.mark.parametrize("case", FOUR)
 def test_four_ranks(world, case):
     _check(world, f"all:{case}")
+
+
+def test_one_rank(world):
+    _check(world, "solo:one_rank")
 
 
 def test_late_rank_times_out_naming_it(world):
