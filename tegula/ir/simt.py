@@ -58,3 +58,29 @@ class WarpAllReduce(S.Stmt):
 
     def ir_text(self) -> str:
         return f"{self.var.name} = warp_allreduce_{self.kind}({self.var.name}, stride={self.stride}, count={self.count})"
+
+
+@dataclass(eq=False)
+class MmaSync(S.Stmt):
+    """``C += A @ B`` with warp MMA (PTX mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate) on a C in registers
+    laid out by infer_layouts.mma_layout: warp w computes rows ``w*8 + g + 8*warps*a`` (g = lane / 4) and every
+    column. Operand elements are read one by one from their buffers: ``a_lo``/``a_hi`` are A's elements at
+    (row ``r``, column ``k``) and (``r``, ``k + 1``), ``b_lo``/``b_hi`` B's at (``k``, ``n``) and (``k + 1``, ``n``),
+    over the variables ``r``, ``k``, ``n`` the emitter binds."""
+    c: object          # the per-thread accumulator array
+    m: int
+    n: int
+    k: int
+    dtype: str         # operand dtype: float16 | bfloat16
+    tid: E.Var
+    r: E.Var
+    kv: E.Var
+    nv: E.Var
+    a_lo: E.Expr
+    a_hi: E.Expr
+    b_lo: E.Expr
+    b_hi: E.Expr
+    loc: tuple | None = None
+
+    def ir_text(self) -> str:
+        return f"mma_sync_m16n8k16({self.c.name}, m={self.m}, n={self.n}, k={self.k}, {self.dtype})"

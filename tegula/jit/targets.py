@@ -17,6 +17,7 @@ class Target:
     device: str = "cpu"         # where tensors must live (torch device type)
     warp_size: int | None = None    # SIMT: lanes that exchange registers (warp shuffles); None: none
     max_threads: int | None = None  # SIMT: threads per block
+    mma: tuple = ()                 # SIMT: operand dtypes of T.gemm that run on warp MMA instructions
 
 
 TARGETS = {
@@ -26,7 +27,7 @@ TARGETS = {
     "opencl": Target("opencl", "simt", "opencl", "tegula.codegen.opencl:emit_opencl", "cl", "numpy",
                      max_block_bytes=1 << 20, binary="clbin", max_threads=1024),
     "cuda": Target("cuda", "simt", "cuda", "tegula.codegen.cuda:emit_cuda", "cu", "pointer", max_block_bytes=227 << 10,
-                   binary="cubin", device="cuda", warp_size=32, max_threads=1024),
+                   binary="cubin", device="cuda", warp_size=32, max_threads=1024, mma=("float16", "bfloat16")),
 }
 
 

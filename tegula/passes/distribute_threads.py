@@ -29,7 +29,8 @@ from tegula.ir import stmt as S
 from tegula.ir import simt as X
 from tegula.ir.buffer import Buffer
 from tegula.passes import rewrite
-from tegula.passes.infer_layouts import collect_nest, derive, gemm_layout, reduction_threads
+from tegula.passes.infer_layouts import (collect_nest, derive, gemm_layout, gemm_mnk, mma_layout, reduction_threads,
+                                         tile_dims, uses_mma)
 
 _KIND = {"+": "sum", "max": "max", "min": "min"}
 
@@ -57,8 +58,9 @@ def umod(e, c: int):
 
 
 class Distributor:
-    def __init__(self, nthreads: int, warp_size, red_cap: int, loc):
+    def __init__(self, nthreads: int, warp_size, red_cap: int, loc, mma_dtypes=()):
         self.T, self.warp, self.red_cap, self.loc = nthreads, warp_size, red_cap, loc
+        self.mma_dtypes = mma_dtypes
         self.tid = E.Var("tid", dt.int32, is_local=True)
         self.allocs: list = []        # buffers the distribution adds (scratch, GEMM registers)
         self.scratch: dict = {}       # dtype name -> shared (T,) buffer for cross-thread reductions
@@ -259,11 +261,11 @@ class Distributor:
     # T.gemm ----------------------------------------------------------------------------------
     def gemm(self, g: S.ExternGemm) -> S.Stmt:
         c_buf = g.c.buffer
-        m, n = (int(E.const_value(x)) for x in _tile_extents(g.c))
-        ka = _tile_extents(g.a)
-        k = int(E.const_value(ka[0] if g.trans_a else ka[1]))
+        m, n, k = gemm_mnk(g)
         lay = getattr(c_buf, "layout", None)
         in_regs = lay is not None
+        if in_regs and uses_mma(g, self.T, self.mma_dtypes) and lay == mma_layout(m, n, self.T):
+            return self.mma(g, m, n, k)
         if not in_regs:
             lay = gemm_layout(m, n, self.T)
         (rs, ty), (cs, tx) = lay.dims
@@ -312,25 +314,38 @@ class Distributor:
         return X.ThreadNest(body, loc=loc)
 
 
+    def mma(self, g: S.ExternGemm, m: int, n: int, k: int) -> S.Stmt:
+        """T.gemm on warp MMA: the thread's C registers are the MMA accumulators (mma_layout); the emitter
+        gathers each MMA's A and B fragments from the operands' elements."""
+        c = self.local_of(g.c.buffer)
+        r, kv, nv = (E.Var(x, dt.int32) for x in ("mma_r", "mma_k", "mma_n"))
+        k1 = E.binop("+", kv, 1)
+
+        def a_at(row, col):
+            return E.Load(g.a.buffer, _tile_index(g.a, col, row) if g.trans_a else _tile_index(g.a, row, col))
+
+        def b_at(row, col):
+            return E.Load(g.b.buffer, _tile_index(g.b, col, row) if g.trans_b else _tile_index(g.b, row, col))
+
+        body = []
+        if g.clear:
+            body.append(self.clear_slots(c, g.loc))
+        body.append(X.MmaSync(c, m, n, k, g.a.dtype.name, self.tid, r, kv, nv, a_at(r, kv), a_at(r, k1),
+                              b_at(kv, nv), b_at(k1, nv), loc=g.loc))
+        return X.ThreadNest(body, loc=g.loc)
+
+    def clear_slots(self, buf, loc) -> S.Stmt:
+        v = E.Var("ci", dt.int32)
+        return S.For(v, _i32(0), _i32(buf.shape[0]), "unroll", S.Store(buf, (v,), E.Const(0, buf.dtype), loc=loc),
+                     loc=loc)
+
+
 def _const(e):
     return E.const_value(e)
 
 
-def _tile_dims(rg) -> list:
-    kept = [d for d, k in enumerate(rg.keep) if k]
-    if len(kept) > 2:
-        kept = [d for d in kept if E.const_value(rg.extents[d]) != 1]
-    if len(kept) != 2:
-        raise CompileError(f"T.gemm: the operand {rg.buffer.name} must be a 2-D tile")
-    return kept
-
-
-def _tile_extents(rg) -> list:
-    return [rg.extents[d] for d in _tile_dims(rg)]
-
-
 def _tile_index(rg, i, j) -> tuple:
-    d0, d1 = _tile_dims(rg)
+    d0, d1 = tile_dims(rg)
     idx = [E.cast(E.as_expr(x), dt.int32) for x in rg.starts]
     idx[d0] = E.binop("+", idx[d0], i)
     idx[d1] = E.binop("+", idx[d1], j)
@@ -361,7 +376,8 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
     if limit and nthreads > limit:
         raise CompileError(f"T.Kernel: {nthreads} threads per block is more than the {target.name} target's limit "
                            f"of {limit}", k.loc)
-    d = Distributor(nthreads, getattr(target, "warp_size", None), reduction_threads(target), k.loc)
+    d = Distributor(nthreads, getattr(target, "warp_size", None), reduction_threads(target), k.loc,
+                    getattr(target, "mma", ()))
     inner = d.uniform(k.body)
     prologue = [S.Assign(d.tid, X.ThreadIdx(), True, loc=k.loc)] + [S.Alloc(b, loc=k.loc) for b in d.allocs]
     sk = X.SimtKernel(k.grid, k.threads, k.block_vars, S.Seq(prologue + [inner], loc=k.loc), loc=k.loc,

@@ -98,8 +98,9 @@ def collect_nest(f: S.For) -> Nest:
 class Program:
     """What layout inference needs of a kernel: its nests, its gemms and the fragments that cannot be registers."""
 
-    def __init__(self, kernel: S.Kernel):
+    def __init__(self, kernel: S.Kernel, mma_dtypes=()):
         self.nthreads = math.prod(int(t) for t in kernel.threads)
+        self.mma_dtypes = mma_dtypes
         self.nests: list[Nest] = []
         self.gemms: list[S.ExternGemm] = []
         self.demoted: dict = {}  # fragment -> why (for the docs of a dump)
@@ -171,6 +172,40 @@ def gemm_layout(m: int, n: int, nthreads: int) -> Layout:
 
 def _norm(d):
     return d if d[1] > 1 else (1, 1)
+
+
+def mma_layout(m: int, n: int, nthreads: int) -> Layout:
+    """C's layout for warp MMA (m16n8k16): a thread holds rows ``(tid >> 2) + 8 * warps * a`` and columns
+    ``(tid & 3) + 4 * b``. The warps split the rows only, and each 8-wide MMA column tile is read in the order
+    that puts a lane's two accumulator columns 4 apart (see distribute_threads.MmaSync), so both dimensions are
+    plain cyclic digits like every other layout."""
+    return Layout((m, n), ((4, 8 * (nthreads // 32)), (1, 4)))
+
+
+def tile_dims(rg) -> list:
+    """The two buffer dimensions a 2-D T.gemm operand spans."""
+    kept = [d for d, k in enumerate(rg.keep) if k]
+    if len(kept) > 2:
+        kept = [d for d in kept if E.const_value(rg.extents[d]) != 1]
+    if len(kept) != 2:
+        raise CompileError(f"T.gemm: the operand {rg.buffer.name} must be a 2-D tile")
+    return kept
+
+
+def gemm_mnk(g) -> tuple:
+    """(M, N, K) of a T.gemm."""
+    ce = [int(E.const_value(g.c.extents[d])) for d in tile_dims(g.c)]
+    ae = [int(E.const_value(g.a.extents[d])) for d in tile_dims(g.a)]
+    return ce[0], ce[1], ae[0] if g.trans_a else ae[1]
+
+
+def uses_mma(g, nthreads: int, mma_dtypes) -> bool:
+    """Whether a T.gemm runs on the target's warp MMA: fp16/bf16 operands (as the target lists), an fp32 C, whole
+    warps, and M a multiple of 16 rows per warp, N of 8, K of 16."""
+    if g.a.dtype.name not in mma_dtypes or g.c.dtype.name != "float32" or nthreads % 32:
+        return False
+    m, n, k = gemm_mnk(g)
+    return m % (16 * (nthreads // 32)) == 0 and n % 8 == 0 and k % 16 == 0
 
 
 class Conflict(Exception):
@@ -275,7 +310,8 @@ def _solve_once(prog: Program, red_cap: int) -> dict:
     for g in prog.gemms:
         c = g.c.buffer
         if is_fragment(c) and c not in prog.demoted and c.ndim == 2:
-            lay = gemm_layout(c.shape[0], c.shape[1], T)
+            mma = uses_mma(g, T, prog.mma_dtypes)
+            lay = (mma_layout if mma else gemm_layout)(c.shape[0], c.shape[1], T)
             if layouts.setdefault(c, lay) != lay:
                 raise Conflict(c, "two T.gemm shapes")
     nests = [_without(n, prog.demoted) for n in prog.nests]
@@ -315,7 +351,7 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
     if len(kernels) > 1:
         raise CompileError(f"the {target.name} target runs one T.Kernel per function; this one has "
                            f"{len(kernels)}", kernels[1].loc)
-    prog = Program(kernels[0])
+    prog = Program(kernels[0], getattr(target, "mma", ()))
     layouts = solve(prog, reduction_threads(target))
     new: dict = {}
     for s in S.walk(kernels[0].body):

@@ -125,8 +125,9 @@ def gemm_in_registers(M=64, N=64, K=32, dtype="float16"):
 @pytest.mark.parametrize("target", SIMT)
 def test_gemm_accumulates_a_micro_tile_per_thread(target):
     src = tegula.lower(gemm_in_registers(), target=target).kernel_source
-    assert re.search(r"^\s*float c\[32\];", src, re.M)  # 64*64 / 128 threads: a 4x8 tile each
-    assert "fmaf(" in src
+    assert re.search(r"^\s*float c\[32\];", src, re.M)  # 64*64 / 128 threads: 32 accumulators each
+    # cuda: fp16 on tensor cores (tests/codegen/test_simt_mma.py); opencl: the portable per-thread FMA tile
+    assert ("mma.sync.aligned.m16n8k16" if target == "cuda" else "fmaf(") in src
     assert src.count(BARRIER[target]) == 1  # A and B staged, then the GEMM reads them
 
 

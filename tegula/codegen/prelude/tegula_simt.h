@@ -70,6 +70,8 @@ typedef ulong uint64_t;
 #define TG__F64_BITS(x) ((uint64_t)__double_as_longlong(x))
 #define TG__BITS_F64(x) __longlong_as_double((long long)(x))
 #define tg_popcount64(x) __popcll((unsigned long long)(x))
+/* two 16-bit values (fp16/bf16 bits) in one register, the first in the low half: an MMA operand pair */
+TG_INLINE uint32_t tg_pack_b16(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
 #define tg_clz64(x) __clzll((long long)(x))
 #define tg_f2bits(x) __float_as_uint(x)
 #define tg_bits2f(x) __uint_as_float(x)
