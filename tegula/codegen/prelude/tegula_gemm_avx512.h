@@ -288,8 +288,10 @@ TG__ALWAYS_INLINE __m512 tg__dot(int fmt, __m512 c, __m512 a, __m512 b)
 
 /* C[ROWS x nr] (+)= A-units x B-units over `units` whole units and a last unit of `tail` elements.
  * Row i's unit u is at A + i * ars + u * aus (bytes); unit row u of B at B + u * bus, its columns
- * contiguous. ROWS is a constant at every call; nr <= 32 columns are masked. fmt TG__F32 with c_i32:
- * products summed from zero in fp32 (exact for int8 chunks) and added to the int32 C. fmt TG__I8:
+ * contiguous. ROWS is a constant at every call; nr <= 32 columns are masked. The sums start from zero
+ * and C is added at the end, so that its loads (from L2 for a 64 KiB tile) overlap the products
+ * instead of holding up the first ones (+6% on the README kernel in bf16). fmt TG__F32 with c_i32:
+ * the fp32 sums (exact for int8 chunks) are converted and added to the int32 C. fmt TG__I8:
  * cs holds the column sums of B for the +128 offset of A. */
 TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
                                   const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,
@@ -297,12 +299,9 @@ TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const 
 {
     __m512 c0[TG_GEMM_MR], c1[TG_GEMM_MR];
     __mmask16 m0 = tg__m16(nr), m1 = tg__m16(nr - 16);
-    int from_c = !clear && !(fmt == TG__F32 && c_i32), full = nr >= 32;
-    for (int i = 0; i < ROWS; i++) {
-        const float *c = (const float *)C + i * ldc;
-        c0[i] = from_c ? (full ? _mm512_loadu_ps(c) : _mm512_maskz_loadu_ps(m0, c)) : _mm512_setzero_ps();
-        c1[i] = from_c ? (full ? _mm512_loadu_ps(c + 16) : _mm512_maskz_loadu_ps(m1, c + 16)) : _mm512_setzero_ps();
-    }
+    int full = nr >= 32;
+    for (int i = 0; i < ROWS; i++)
+        c0[i] = c1[i] = _mm512_setzero_ps();
 #define TG__STEP(N)                                                                          \
     {                                                                                        \
         __m512 b0 = full ? _mm512_loadu_ps(B) : _mm512_maskz_loadu_ps(m0, B);                \
@@ -330,13 +329,15 @@ TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const 
         __mmask16 m[2] = {m0, m1};
         for (int h = 0; h < 2; h++) {
             char *c = (char *)C + 4 * (i * ldc + 16 * h);
+            __m512 old = clear ? _mm512_setzero_ps() : full ? _mm512_loadu_ps(c) : _mm512_maskz_loadu_ps(m[h], c);
             if (fmt == TG__I8) {
-                v[h] = _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(v[h]), kk[h]));
-            } else if (c_i32) {
+                __m512i x = _mm512_sub_epi32(_mm512_castps_si512(v[h]), kk[h]);
+                v[h] = _mm512_castsi512_ps(_mm512_add_epi32(x, _mm512_castps_si512(old)));
+            } else if (!c_i32) {
+                v[h] = clear ? v[h] : _mm512_add_ps(v[h], old);
+            } else {
                 __m512i x = _mm512_cvtps_epi32(v[h]); /* integer-valued, so exact */
-                if (!clear)
-                    x = _mm512_add_epi32(x, full ? _mm512_loadu_si512(c) : _mm512_maskz_loadu_epi32(m[h], c));
-                v[h] = _mm512_castsi512_ps(x);
+                v[h] = _mm512_castsi512_ps(_mm512_add_epi32(x, _mm512_castps_si512(old)));
             }
             if (full)
                 _mm512_storeu_ps(c, v[h]);
