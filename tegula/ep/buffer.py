@@ -65,7 +65,7 @@ class Buffer:
         self._rdma_at = CTRL_BYTES + _round_up(num_nvl_bytes, _PAGE)
         size = self._rdma_at + _round_up(num_rdma_bytes, _PAGE)
         self._comm = Comm(group, transport, size, timeout_s)
-        self._kinds = self._comm.kinds[self.rank]
+        self._kinds, self._node_of = self._comm.kinds[self.rank], self._comm.node_of
         self._num_dispatches = self._num_ll_dispatches = 0
         self._zero_copy = None
         self._private = {}  # receive regions of a rank that receives outside shared memory
@@ -96,6 +96,12 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         return EventOverlap()
+
+    def get_comm_stream(self):
+        """DeepEP's communication stream: the current CUDA stream where CUDA is present (everything here runs in
+        order on it), else None."""
+        import torch
+        return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -139,7 +145,7 @@ class Buffer:
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event). Local; no communication."""
         self._check_topk(topk_idx, num_experts, "get_dispatch_layout")
         per_rank, per_node, per_expert, in_rank = token_layout(topk_idx, num_experts, self.group_size,
-                                                               self._comm.node_of)
+                                                               self._node_of)
         return per_rank, per_node, per_expert, in_rank, EventOverlap()
 
     # normal dispatch / combine -----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import uuid
 
 from tegula.ep.shm import MAX_RANKS, PeerFailure, ShmGroup, _proc_start
 
-KINDS = ("self", "shm", "dist")
 OP_DISPATCH, OP_COMBINE, OP_LL_DISPATCH, OP_LL_COMBINE = 1, 2, 3, 4  # every rank must be in the same one
 
 
@@ -44,7 +43,7 @@ def _requested(transport, world: int):
             m[i][j] = None if m[i][j] in (None, "auto") else m[i][j]
             if m[i][j] not in (None, "shm", "dist") or m[i][j] != (None if m[j][i] in (None, "auto") else m[j][i]):
                 raise ValueError(f"tegula.ep: transport[{i}][{j}]={m[i][j]!r} must be 'auto', 'shm' or 'dist' and "
-                                 "equal transport[{j}][{i}]")
+                                 f"equal transport[{j}][{i}]")
     return m
 
 

@@ -176,6 +176,45 @@ def case_one_rank(rank, world):
     ll_roundtrip(rank, buf)
 
 
+def case_api(rank, world):
+    """DeepEP's helpers and events; wrong arguments raise TypeError / ValueError before anything moves."""
+    import tegula.ep as ep
+    assert ep.topk_idx_t is torch.int64
+    event = Buffer.capture()
+    event.current_stream_wait()
+    with event:
+        pass
+    assert isinstance(Buffer.get_dispatch_config(8), ep.Config) and ep.Config().get_nvl_buffer_size_hint(14336, 8) > 0
+    for bad in ("bogus", [["shm"]] * 2):
+        try:
+            make(world=world, transport=bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"transport={bad!r} was accepted")
+    x, topk, w = inputs(rank)
+    calls = [lambda b: dispatch(b, x, topk.int(), w),  # top-k ids must be int64
+             lambda b: dispatch(b, x, topk, w, expert_alignment=0),
+             lambda b: b.dispatch(x, num_tokens_per_rank=torch.zeros(world, dtype=torch.int32)),
+             lambda b: b.low_latency_dispatch(x, topk, x.shape[0] - 1, E),  # more tokens than the maximum
+             lambda b: b.low_latency_dispatch(x, topk, M, E, use_fp8=True, use_ue8m0=True)]  # ue8m0 needs rounding
+    for call in calls:
+        try:
+            call(make(world=world))
+        except (TypeError, ValueError):
+            pass
+        else:
+            raise AssertionError("a bad call was accepted")
+    buf = make(world=world)
+    buf.destroy()
+    try:
+        dispatch(buf, x, topk, w)
+    except RuntimeError as e:
+        assert "destroyed" in str(e)
+    else:
+        raise AssertionError("a destroyed Buffer accepted a call")
+
+
 def case_low_latency(rank, world):
     buf = make(world=world, low_latency_mode=True)
     ll_roundtrip(rank, buf)

@@ -5,6 +5,8 @@ cases of ep_cases.py as two worlds of two ranks at once ({0, 1} and {2, 3}), the
 rank (timeout by name), a rank killed in the middle of a dispatch and a rank killed while the segments are being
 mapped."""
 import os
+import subprocess
+import sys
 
 import pytest
 from ep_launch import failures, run_world, shm_names
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /de
 BOTH = ["layout", "dispatch_combine", "fp8_dispatch", "alignment_cached_worst", "receives_nothing", "low_latency",
         "low_latency_fp8", "transport_dist", "torch_fallback"]
 FOUR = BOTH + ["transport_mixed", "mismatch"]
-SPECS = ["solo:one_rank"] + [f"pairs:{c}" for c in BOTH] + [f"all:{c}" for c in FOUR] + [
+SPECS = ["solo:one_rank", "solo:api"] + [f"pairs:{c}" for c in BOTH] + [f"all:{c}" for c in FOUR] + [
     "pairs:hung", "split:killed/killed_in_setup"]
 
 
@@ -42,6 +44,15 @@ def test_four_ranks(world, case):
 
 def test_one_rank(world):
     _check(world, "solo:one_rank")
+
+
+def test_api_and_argument_errors(world):
+    _check(world, "solo:api")
+
+
+def test_import_is_cheap():
+    code = "import sys, tegula.ep; print(','.join(m for m in ('torch', 'numpy') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == ""
 
 
 def test_late_rank_times_out_naming_it(world):
