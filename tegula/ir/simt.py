@@ -82,5 +82,8 @@ class MmaSync(S.Stmt):
     b_hi: E.Expr
     loc: tuple | None = None
 
+    def exprs(self) -> list:
+        return [self.a_lo, self.a_hi, self.b_lo, self.b_hi]
+
     def ir_text(self) -> str:
         return f"mma_sync_m16n8k16({self.c.name}, m={self.m}, n={self.n}, k={self.k}, {self.dtype})"

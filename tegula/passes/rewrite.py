@@ -98,6 +98,8 @@ def exprs_of(s):
         return [s.value]
     if isinstance(s, S.ExternGemm):
         return [x for rg in (s.a, s.b, s.c) for x in rg.starts if isinstance(x, E.Expr)]
+    if hasattr(s, "exprs"):  # target-family nodes (ir/simt.py) list their own
+        return s.exprs()
     return []
 
 
