@@ -218,6 +218,11 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
     if not fp8:
         return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
     kb = ceil_div(k, SF_K)
+    if bm <= 16 and not grouped:
+        # decode: the weight rows of a block copied whole (one sequential stream the hardware prefetcher follows),
+        # 64 of them, up to 1 MiB (L2)
+        c = max(d for d in range(1, kb + 1) if kb % d == 0 and 64 * d * SF_K <= 1 << 20)
+        return bm, 64, c * SF_K
     ck = next(c for c in ((4, 2, 1) if bm <= 64 or grouped else (2, 1)) if kb % c == 0) * SF_K
     return bm, 256 if grouped and bm == 128 else 128, ck
 
