@@ -1,6 +1,6 @@
 """tegula.ops.topk against torch.topk on the sparse-attention indexer's and the sampler's shapes.
 
-    python -m bench.topk [--reps 5] [--quick]
+    python -m bench.topk [--reps 7] [--quick] [--threads 2] [--cpu-time]
 
 Indexer rows: bf16 scores, k in {512, 2048}, batch in {1, 8, 64}, n in {8K, 32K, 128K, 1M}, unsorted. Sampler
 rows: fp32 logits over a 129280-token vocabulary, k = 512, sorted by value. Both sides write into preallocated
@@ -9,19 +9,26 @@ deep_select does). Inputs of 1 MB and more are memory-bound: each call then read
 whose total is beyond the last-level cache; smaller inputs stay cache-resident, as they are when the indexer
 has just written them. The read bandwidth that the largest rows are compared with is measured here, by a T.*
 kernel that reads a 256 MiB tensor once (a row maximum), and the plain copy bandwidth of bench.common is shown
-beside it. Medians over repeats, with the spread (max - min) / median.
+beside it. tegula and torch samples alternate (ratios from one run); medians over repeats, with the spread
+(max - min) / median. On a machine shared with other work, ``--threads 1 --cpu-time`` times both sides in the
+calling thread's CPU time.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import statistics
+import time
 
 import torch
 
 import tegula
 import tegula.language as T
-from bench.common import do_bench, measure_bandwidth, print_table
+from bench.common import measure_bandwidth, print_table
 from tegula.ops.topk import topk
+
+CLOCK = time.perf_counter   # time.thread_time with --cpu-time (kernels read TEGULA_NUM_THREADS when first loaded)
 
 LLC_POOL_BYTES = 96 << 20
 POOL_MIN_BYTES = 1 << 20
@@ -44,6 +51,25 @@ def rowmax_kernel(M, N, block=4096):
     return rowmax
 
 
+def side_by_side(fns: dict, reps: int, min_s: float = 0.01) -> dict:
+    """{name: (median, min, max) seconds per call}; one sample of each fn in turn, each sample batched to last
+    >= min_s."""
+    inner = {}
+    for name, fn in fns.items():
+        fn()
+        t = CLOCK()
+        fn()
+        inner[name] = max(1, int(min_s / max(CLOCK() - t, 1e-9)))
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = CLOCK()
+            for _ in range(inner[name]):
+                fn()
+            samples[name].append((CLOCK() - t) / inner[name])
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in samples.items()}
+
+
 def read_bandwidth(reps: int) -> float:
     M, N = 64, 1 << 20
     x = torch.randint(-1000, 1000, (M, N), dtype=torch.int32)
@@ -51,8 +77,8 @@ def read_bandwidth(reps: int) -> float:
     k = tegula.compile(rowmax_kernel(M, N), target="c")
     k(x, y)
     assert torch.equal(y, x.amax(1))
-    t = do_bench(lambda: k(x, y), rep=reps)
-    return x.numel() * 4 / (t.median_ms * 1e-3) / 1e9
+    t = side_by_side({"read": lambda: k(x, y)}, reps)["read"][0]
+    return x.numel() * 4 / t / 1e9
 
 
 def pool_of(x):
@@ -78,15 +104,29 @@ def check(x, k, values, indices, by_value):
 
 
 def main(argv=None):
+    global CLOCK
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="batch 1 and 64 only, n in {8K, 1M}")
+    p.add_argument("--threads", type=int, default=None, help="threads of tegula and torch (default: all cores)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --threads 1: time in the calling thread's CPU time, for a machine shared with other work")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            p.error("--cpu-time needs --threads 1 (both sides then compute in the calling thread)")
+        CLOCK = time.thread_time
+    if args.threads:
+        for var in ("OMP_NUM_THREADS", "TEGULA_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     read_bw = read_bandwidth(args.reps)
-    copy_bw = measure_bandwidth(1 << 28)["stream_copy"]
+    copy_bw = measure_bandwidth(1 << 28, threads=args.threads)["stream_copy"]
+    clock = "thread CPU time" if args.cpu_time else "wall time"
     print(f"measured: read {read_bw:.1f} GB/s (T.* row max over 256 MiB), plain copy {copy_bw:.1f} GB/s "
-          f"(read + write); torch threads {torch.get_num_threads()}")
+          f"(read + write); {torch.get_num_threads()} threads, {clock}; load average {os.getloadavg()[0]:.1f}")
 
     batches = (1, 64) if args.quick else (1, 8, 64)
     lengths = (8192, 1 << 20) if args.quick else (8192, 32768, 131072, 1 << 20)
@@ -102,18 +142,19 @@ def main(argv=None):
         check(x, k, v, i, by_value)
         ours_it, torch_it = itertools.cycle(pool), itertools.cycle(pool)
         reps = args.reps if b * n < (64 << 20) else max(3, args.reps // 2)
-        t_ours = do_bench(lambda: topk(next(ours_it), k, sorted=by_value, output_idx=idx), rep=reps)
-        t_torch = do_bench(lambda: torch.topk(next(torch_it), k, dim=1, sorted=by_value, out=(tv, ti)), rep=reps,
-                           warmup=1)
-        gbs = x.numel() * x.element_size() / (t_ours.median_ms * 1e-3) / 1e9
-        rows.append([f"{name} b={b} n={n} k={k}{' sorted' if by_value else ''}", t_ours.median_ms,
-                     f"{t_ours.spread:.0%}", t_torch.median_ms, f"{t_torch.spread:.0%}",
-                     t_torch.median_ms / t_ours.median_ms, gbs, gbs / read_bw,
+        t = side_by_side({"tegula": lambda: topk(next(ours_it), k, sorted=by_value, output_idx=idx),
+                          "torch": lambda: torch.topk(next(torch_it), k, dim=1, sorted=by_value, out=(tv, ti))},
+                         reps)
+        (tm, tlo, thi), (pm, plo, phi) = t["tegula"], t["torch"]
+        gbs = x.numel() * x.element_size() / tm / 1e9
+        rows.append([f"{name} b={b} n={n} k={k}{' sorted' if by_value else ''}", tm * 1e3, f"{(thi - tlo) / tm:.0%}",
+                     pm * 1e3, f"{(phi - plo) / pm:.0%}", pm / tm, gbs, gbs / read_bw,
                      "DRAM" if x.numel() * x.element_size() >= POOL_MIN_BYTES else "cache"])
-        print(f"  {rows[-1][0]}: {t_ours.median_ms:.4g} ms vs torch {t_torch.median_ms:.4g} ms", flush=True)
-    print_table(f"top-k, {torch.get_num_threads()} threads (medians of >= 3-{args.reps} runs; spread = (max - min) "
-                "/ median)", ["shape", "tegula ms", "spread", "torch ms", "spread", "torch/tegula", "GB/s",
-                              "of read BW", "input"], rows)
+        print(f"  {rows[-1][0]}: {tm * 1e3:.4g} ms vs torch {pm * 1e3:.4g} ms", flush=True)
+    print_table(f"top-k, {torch.get_num_threads()} threads, {clock} (medians of {args.reps} alternating samples, "
+                "3 for the largest; spread = (max - min) / median)",
+                ["shape", "tegula ms", "spread", "torch ms", "spread", "torch/tegula", "GB/s", "of read BW",
+                 "input"], rows)
     print("torch/tegula > 1: tegula is faster. GB/s: input bytes / tegula time; 'of read BW' against the "
           f"measured {read_bw:.1f} GB/s. input: DRAM = a pool of copies beyond the LLC, cache = one hot copy.")
 

@@ -70,7 +70,8 @@ def _state(raw):
         und=T.alloc_shared((CAP + PAD,), "uint32"),  # select: the keys still undecided
         tk=T.alloc_shared((KMAX + 1,), "int32"),    # select's output and sort's other half (+1: the
         ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
-        hist=T.alloc_shared((2 * HBINS,), "int32"),
+        hist=T.alloc_shared((HBINS,), "int32"),
+        hist2=T.alloc_shared((HBINS,), "int32"),
         xs=T.alloc_fragment((CHUNK,), raw),         # one chunk of the input (raw values)
         ws=T.alloc_fragment((CHUNK,), "int32"),     # one chunk of a workspace (keys)
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
@@ -127,35 +128,46 @@ def _macros(bits):
         going = T.cast(1, "int32")
         while going != 0:
             nb = T.cast(span >> shift, "int32") + 1
-            for h in T.Parallel(2 * nb):
+            for h in T.Parallel(nb):
                 b.hist[h] = 0
-            # two interleaved histograms (even / odd items), so runs of equal digits do not serialise on one
-            # counter; the first pass reads the candidates, the later ones the undecided
+                b.hist2[h] = 0
+            # two histograms (even / odd items), so runs of equal digits do not serialise on one counter; the
+            # first pass reads the candidates, the later ones the undecided
             if first != 0:
                 for i in T.serial(nu // 2):
                     d0 = T.cast((ukey(b.ck[2 * i]) - base) >> shift, "int32")
-                    d1 = T.cast((ukey(b.ck[2 * i + 1]) - base) >> shift, "int32") + nb
+                    d1 = T.cast((ukey(b.ck[2 * i + 1]) - base) >> shift, "int32")
                     b.hist[d0] = b.hist[d0] + 1
-                    b.hist[d1] = b.hist[d1] + 1
+                    b.hist2[d1] = b.hist2[d1] + 1
                 if nu % 2 == 1:
                     d = T.cast((ukey(b.ck[nu - 1]) - base) >> shift, "int32")
                     b.hist[d] = b.hist[d] + 1
             else:
                 for i in T.serial(nu // 2):
                     d0 = T.cast((b.und[2 * i] - base) >> shift, "int32")
-                    d1 = T.cast((b.und[2 * i + 1] - base) >> shift, "int32") + nb
+                    d1 = T.cast((b.und[2 * i + 1] - base) >> shift, "int32")
                     b.hist[d0] = b.hist[d0] + 1
-                    b.hist[d1] = b.hist[d1] + 1
+                    b.hist2[d1] = b.hist2[d1] + 1
                 if nu % 2 == 1:
                     d = T.cast((b.und[nu - 1] - base) >> shift, "int32")
                     b.hist[d] = b.hist[d] + 1
             for h in T.Parallel(nb):
-                b.hist[h] = b.hist[h] + b.hist[nb + h]
+                b.hist[h] = b.hist[h] + b.hist2[h]
+            # the bucket j holding the need-th largest, and acc = how many lie above it; walked from the end
+            # nearer to it
             j = nb - 1
             acc = T.cast(0, "int32")
-            while acc + b.hist[j] < need and j > 0:
-                acc = acc + b.hist[j]
-                j = j - 1
+            if 2 * need <= nu:
+                while acc + b.hist[j] < need and j > 0:
+                    acc = acc + b.hist[j]
+                    j = j - 1
+            else:
+                j = 0
+                below = T.cast(0, "int32")   # how many lie below bucket j
+                while below + b.hist[j] <= nu - need and j < nb - 1:
+                    below = below + b.hist[j]
+                    j = j + 1
+                acc = nu - below - b.hist[j]
             need = need - acc
             base = base + (T.cast(j, "uint32") << shift)
             if shift == 0:
@@ -228,7 +240,7 @@ def _macros(bits):
                 b.lmax[lane] = T.cast(top_key, "int32")
                 if raw_src:
                     b.mg[lane] = mag
-            T.reduce_max(b.lmax, b.ext[0:1], dim=0)
+            T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
             if b.ext[0] > thr:
                 # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits
                 # T.clz walks
