@@ -101,17 +101,19 @@ def test_fp8_gemm_accumulate_fp32():
     assert dg.calc_diff(d, c + dequant_a(*qa) @ dequant_b(*qb).T) < 1e-9
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fp8_gemm_ue8m0(packed):
+@pytest.mark.parametrize("scales", ["packed", "e8m0", "per_row_fp32"])
+def test_fp8_gemm_scale_formats(scales):
     m, n, k = 48, 132, 448
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
-    qa, qb = quant(a, b, ue8m0=True, packed=packed, per_row_b=packed)
-    if packed:
+    qa, qb = quant(a, b, ue8m0=scales != "per_row_fp32", packed=scales == "packed", per_row_b=scales != "e8m0")
+    if scales == "packed":
         assert qa[1].dtype == torch.int32 and qb[1].shape == (n, 1)
         recipe = None  # deep_gemm's default for packed scales: (1, 1, 128)
-    else:
+    elif scales == "e8m0":
         qa, qb = (qa[0], qa[1].to(torch.float8_e8m0fnu)), (qb[0], qb[1].to(torch.float8_e8m0fnu))
         recipe = (1, 128, 128)
+    else:
+        recipe = (1, 1, 128)  # deep_gemm's weight-gradient recipe: B scaled per row too
     d = torch.empty(m, n, dtype=torch.bfloat16)
     dg.fp8_gemm_nt(qa, qb, d, recipe=recipe)
     assert dg.calc_diff(d, a.float() @ b.float().T) < 1e-3
@@ -368,3 +370,32 @@ def test_interp_matches_c(monkeypatch):
     for x, y in zip(outs["c"], outs["interp"]):
         assert dg.calc_diff(x, y) < 1e-6
     assert dg.calc_diff(outs["interp"][0], a.float() @ b.float().T) < 1e-3
+
+
+def test_interp_grouped_and_indexer(monkeypatch):
+    """The masked, K-grouped and indexer kernels on the reference interpreter agree with the c target."""
+    k, n, groups = 256, 40, 2
+    qa = (torch.randn(groups, 8, k, dtype=torch.bfloat16).to(FP8), torch.rand(groups, 8, 2) + 0.5)
+    qb = (torch.randn(groups, n, k, dtype=torch.bfloat16).to(FP8), torch.rand(groups, 1, 2) + 0.5)
+    masked_m = torch.tensor([3, 8], dtype=torch.int32)
+    ks = [128, 256]
+    ka = (torch.randn(384, 16, dtype=torch.bfloat16).to(FP8), torch.rand(3, 16) + 0.5)
+    kb = (torch.randn(384, n, dtype=torch.bfloat16).to(FP8), torch.rand(3, n) + 0.5)
+    q = torch.randn(6, 4, 32, dtype=torch.bfloat16).to(FP8)
+    kv = (torch.randn(50, 32, dtype=torch.bfloat16).to(FP8), torch.rand(50) + 0.5)
+    w = torch.randn(6, 4)
+    kst = torch.tensor([0, 3, 10, 20, 0, 49], dtype=torch.int32)
+    ken = torch.tensor([5, 3, 40, 50, 50, 50], dtype=torch.int32)
+    outs = {}
+    for target in ("c", "interp"):
+        monkeypatch.setenv("TEGULA_TARGET", target)
+        d = torch.zeros(groups, 8, n, dtype=torch.bfloat16)
+        dg.m_grouped_fp8_gemm_nt_masked(qa, qb, d, masked_m, 4)
+        dk = torch.ones(groups, 16, n)
+        dg.k_grouped_fp8_gemm_tn_contiguous(ka, kb, dk, ks, torch.tensor(ks, dtype=torch.int32), dk)
+        logits = dg.fp8_mqa_logits(q, kv, w, kst, ken)
+        outs[target] = (d, dk, logits)
+    for x, y in zip(outs["c"], outs["interp"]):
+        assert torch.equal(x == float("-inf"), y == float("-inf"))
+        inf = x == float("-inf")
+        assert dg.calc_diff(x.masked_fill(inf, 0), y.masked_fill(inf, 0)) < 1e-6
