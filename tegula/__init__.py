@@ -51,9 +51,12 @@ class PassConfigKey(metaclass=_AnyKey):
 
 
 def __getattr__(name):
-    if name == "TensorSupplyType":  # lazily: the profiler imports the JIT
+    if name == "TensorSupplyType":  # lazily: these import the JIT
         from tegula.jit.profiler import TensorSupplyType
         return TensorSupplyType
+    if name == "JITKernel":
+        from tegula.jit.kernel import JITKernel
+        return JITKernel
     raise AttributeError(f"module 'tegula' has no attribute {name!r}")
 
 

@@ -96,6 +96,8 @@ from tegula.language.surface import (  # noqa: F401
 )
 from tegula.language.tile import (  # noqa: F401
     atomic_add,
+    atomic_addx2,
+    atomic_addx4,
     atomic_max,
     atomic_min,
     clear,

@@ -143,3 +143,20 @@ def _atomic(kind):
 
 
 atomic_add, atomic_max, atomic_min = (_atomic(k) for k in ("add", "max", "min"))
+
+
+def _atomic_add_vector(n):
+    def atomic_addxn(dst, value, **_hints):
+        if not isinstance(dst, E.Load) or not isinstance(value, E.Load):
+            raise CompileError(f"T.atomic_addx{n}(dst, value): both are elements (A[i, j]) that start {n} "
+                               "consecutive values along the last dimension")
+        for k in range(n):  # n element atomics: they also work inside a T.Parallel body
+            d, v = (E.Load(x.buffer, x.indices[:-1] + (E.binop("+", x.indices[-1], k),)) for x in (dst, value))
+            atomic_add(d, v)
+    atomic_addxn.__name__ = f"atomic_addx{n}"
+    atomic_addxn.__doc__ = (f"Atomically add the {n} consecutive values starting at element ``value`` to the {n} "
+                            "starting at element ``dst`` (along the last dimension).")
+    return atomic_addxn
+
+
+atomic_addx2, atomic_addx4 = _atomic_add_vector(2), _atomic_add_vector(4)

@@ -165,3 +165,17 @@ def _copy_kernel():
             for i in T.Parallel(4):
                 B[i] = A[i]
     return main
+
+
+def test_atomic_addx4_adds_four_consecutive_values(target):
+    @T.prim_func
+    def main(Src: T.Tensor((4, 16), "float32"), Acc: T.Tensor((8, 16), "float32")):
+        with T.Kernel(2) as bx:
+            s = T.alloc_shared((4, 16), "float32")
+            T.copy(Src, s)
+            for i, j in T.Parallel(4, 4):
+                T.atomic_addx4(Acc[bx * 4 + i, j * 4], s[i, j * 4])
+
+    src, acc = torch.randn(4, 16), torch.ones(8, 16)
+    tegula.compile(main, target=target)(src, acc)
+    assert torch.equal(acc, 1 + torch.cat([src, src]))
