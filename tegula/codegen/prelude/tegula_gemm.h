@@ -93,7 +93,6 @@ static inline void tg__pack_f32(int dt, float *restrict dst, long ldd, const voi
 #include <immintrin.h>
 #define TG_GEMM_MR 6
 #define TG_GEMM_NR 16
-#define TG_GEMM_VL 8
 
 /* fp32 kernel, the AVX-512 one's contract with fmt TG__F32: 12 ymm accumulators (two FMA pipes of
  * 4-cycle latency need 8 chains or more), B zero-padded */
@@ -141,7 +140,6 @@ TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const 
 #else /* portable */
 #define TG_GEMM_MR 4
 #define TG_GEMM_NR 16
-#define TG_GEMM_VL 16
 
 TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const char *A, long ars, long aus,
                                   const char *B, long bus, int nr, void *C, long ldc, int clear, int c_i32,

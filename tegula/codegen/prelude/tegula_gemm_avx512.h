@@ -16,7 +16,6 @@
 
 #define TG_GEMM_MR 8  /* rows of the register block */
 #define TG_GEMM_NR 32 /* columns: two zmm, so 16 accumulators (Zen 4 / SKX: 1-2 FMA per cycle, 4-cycle latency) */
-#define TG_GEMM_VL 16 /* columns per vector */
 
 TG__ALWAYS_INLINE __mmask16 tg__m16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 TG__ALWAYS_INLINE __mmask32 tg__m32(int n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
