@@ -44,16 +44,12 @@ def check_bias(x, ref):
 # encodings ---------------------------------------------------------------------------------------------------------
 
 def e2m1_encode(v):
-    """float32 -> 4-bit codes: the nearest of the 8 magnitudes (ties to the even code), saturating; sign bit 3."""
-    a = v.double().abs().clamp(max=6.0)
-    d = (a.unsqueeze(-1) - E2M1_VALUES).abs()
-    best = d.min(-1, keepdim=True).values
-    is_best = d == best
-    codes = torch.arange(8)
-    # of the (at most two) nearest, the even code
-    pick = torch.where(is_best & (codes % 2 == 0), codes, torch.where(is_best, codes + 100, codes + 1000))
-    mag = pick.min(-1).values % 100
-    mag = torch.where(v.isnan(), torch.tensor(7), mag)
+    """float32 -> 4-bit codes: round to nearest (ties to the even code) on the e2m1 grid, saturating at 6; the
+    grid's spacing is 0.5 below 2, 1 below 4 and 2 above; NaN -> 7; sign in bit 3."""
+    a = v.double().abs()
+    rne = torch.round  # half to even
+    mag = torch.where(a < 2, rne(a * 2), torch.where(a < 4, 4 + rne(a - 2), 6 + rne((a - 4) / 2)))
+    mag = torch.where(a.isnan(), torch.full_like(a, 7), mag.clamp(max=7)).long()
     sign = (v.view(torch.int32) < 0).long() << 3
     return (mag | sign).to(torch.uint8)
 
@@ -147,7 +143,7 @@ def layout(sf, col_major=False, packed=False):
 def sf_to_float(sf, cols):
     if sf.dtype == torch.float32:
         return sf
-    b = sf.contiguous().reshape(-1).view(torch.uint8).view(sf.shape[0], -1)[:, :cols].to(torch.int32)
+    b = sf.contiguous().reshape(-1).view(torch.uint8).view(sf.shape[0], sf.shape[1] * 4)[:, :cols].int()
     return (b << 23).view(torch.float32)
 
 

@@ -1,0 +1,76 @@
+"""tegula.ops.norm against plain torch references: RMSNorm in float32 with the kernels' fixed summation order
+(32 lanes, then pairwise), bit for bit; the fused cast as tegula.ops.quant.per_token_cast of that result."""
+import pytest
+import torch
+from _quant_ref import align, assert_equal, check_bias, lane_sum, ref_cast, ref_cast_back
+
+from tegula.ops import norm
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(params=["c", "interp"])
+def target(request, monkeypatch):
+    monkeypatch.setenv("TEGULA_TARGET", request.param)
+    return request.param
+
+
+def rmsnorm_ref(x, w, eps):
+    xf = x.float()
+    h = xf.shape[1]
+    ss = lane_sum(torch.nn.functional.pad(xf * xf, (0, align(h, 32) - h)))
+    rstd = torch.rsqrt(ss / torch.full_like(ss, h) + eps)  # torch.rsqrt is 1 / (correctly rounded sqrt) here
+    return xf * w.float() * rstd.unsqueeze(1)
+
+
+@pytest.mark.parametrize("n,h,dtype,wdtype", [(4001, 576, torch.bfloat16, torch.bfloat16),
+                                              (33, 7168, torch.float32, torch.float32),
+                                              (1, 100, torch.float16, torch.float32),
+                                              (0, 2048, torch.bfloat16, torch.bfloat16)])
+def test_rmsnorm(target, n, h, dtype, wdtype):
+    n = n if target == "c" else min(n, 3)
+    x = (torch.randn(n, h) * 2).to(dtype)
+    w = torch.randn(h).to(wdtype)
+    assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).to(dtype))
+
+
+def test_rmsnorm_strided_rows(target):
+    n = 257 if target == "c" else 3
+    base = torch.randn(n, 3 * 2048).bfloat16()
+    x = base[:, 2048:4096]  # row stride 3 * hidden
+    w = torch.randn(2048).bfloat16()
+    assert_equal(norm.rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5).bfloat16())
+
+
+@pytest.mark.parametrize("n,h,fmt,g,opts", [
+    (4001, 2048, "e4m3", 128, {}),
+    (300, 576, "e2m1", 32, dict(round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)),
+    (65, 7168, "e4m3", 7168, dict(round_sf=True)),
+])
+def test_rmsnorm_forward_and_per_token_cast(target, n, h, fmt, g, opts):
+    n = n if target == "c" else min(n, 3)
+    x = torch.randn(n, h).bfloat16()
+    w = torch.randn(h).bfloat16()
+    q, s = norm.rmsnorm_forward_and_per_token_cast(x, w, 1e-6, fmt, g, **opts)
+    y = rmsnorm_ref(x, w, 1e-6)
+    rq, rs = ref_cast(y, fmt, (1, g), round_sf=opts.get("round_sf", False),
+                      col_major=opts.get("use_tma_aligned_col_major_sf", False),
+                      packed=opts.get("use_packed_ue8m0", False))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    check_bias(ref_cast_back(q, s, (1, g), "fp32"), y)
+
+
+def test_bad_input_names_the_argument():
+    x, w = torch.randn(4, 64), torch.randn(64)
+    for fn, exc, name in [
+        (lambda: norm.rmsnorm(x, w[:32]), ValueError, "weight"),
+        (lambda: norm.rmsnorm(x.double(), w), TypeError, "x"),
+        (lambda: norm.rmsnorm(x, w, eps="1"), TypeError, "eps"),
+        (lambda: norm.rmsnorm(x, w.view(8, 8)), ValueError, "weight"),
+        (lambda: norm.rmsnorm_forward_and_per_token_cast(x, w, fmt="e5m2"), ValueError, "fmt"),
+        (lambda: norm.rmsnorm_forward_and_per_token_cast(x, w, num_per_channels=48), ValueError,
+         "num_per_channels"),
+    ]:
+        with pytest.raises(exc, match=name):
+            fn()

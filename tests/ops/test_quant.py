@@ -1,0 +1,330 @@
+"""tegula.ops.quant against plain torch references (tests/ops/_quant_ref.py): every output compared bit for bit,
+with its strides; round trips pass the rounding-bias check. The c target runs TileKernels' shapes scaled down
+(tokens 0, 1, 4001; hidden 576, 2048, 7168), interp tiny ones; the option combinations are spread over the cases
+so that each compiled kernel is built once."""
+import pytest
+import torch
+from _quant_ref import (
+    assert_equal,
+    check_bias,
+    e2m1_decode,
+    e2m1_encode,
+    e5m6_decode,
+    fma,
+    layout,
+    ref_cast,
+    ref_cast_back,
+    sigmoid,
+    silu,
+)
+
+from tegula.ops import quant
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(params=["c", "interp"])
+def target(request, monkeypatch):
+    monkeypatch.setenv("TEGULA_TARGET", request.param)
+    return request.param
+
+
+def rows(target, big):
+    return big if target == "c" else min(big, 5)
+
+
+def randn(n, h, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(n, h) * scale).to(dtype)
+
+
+def sf_opts(kind):
+    """TileKernels' two scale configurations, plus plain float32 (not rounded)."""
+    return {"plain": dict(), "round": dict(round_sf=True),
+            "ue8m0": dict(use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True),
+            "colmajor": dict(use_tma_aligned_col_major_sf=True, round_sf=True)}[kind]
+
+
+def ref_opts(kw):
+    return dict(round_sf=kw.get("round_sf", False), col_major=kw.get("use_tma_aligned_col_major_sf", False),
+                packed=kw.get("use_packed_ue8m0", False))
+
+
+# per-token casts ---------------------------------------------------------------------------------------------------
+
+PER_TOKEN = [  # (tokens, hidden, dtype, fmt, num_per_channels, scales)
+    (4001, 576, torch.bfloat16, "e4m3", 128, "plain"),
+    (4001, 2048, torch.float32, "e4m3", 32, "ue8m0"),
+    (1, 7168, torch.bfloat16, "e2m1", 32, "round"),
+    (257, 576, torch.float32, "e2m1", 128, "ue8m0"),
+    (33, 2048, torch.bfloat16, "e4m3", 64, "colmajor"),
+    (0, 576, torch.bfloat16, "e4m3", 16, "ue8m0"),
+    (64, 7168, torch.bfloat16, "e4m3", 7168, "plain"),
+    (129, 2048, torch.float32, "e2m1", 2048, "ue8m0"),
+]
+
+
+@pytest.mark.parametrize("case", PER_TOKEN, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
+def test_per_token_cast(target, case):
+    n, h, dtype, fmt, g, sfk = case
+    x = randn(rows(target, n), h, dtype, scale=3.0)
+    kw = sf_opts(sfk)
+    q, s = quant.per_token_cast(x, fmt, g, **kw)
+    rq, rs = ref_cast(x, fmt, (1, g), **ref_opts(kw))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    check_bias(ref_cast_back(q, s, (1, g), "fp32"), x.float())
+
+
+def test_per_token_cast_strided_rows_and_modes(target):
+    n = rows(target, 401)
+    base = randn(n, 2 * 2048)
+    x = base[:, 100:100 + 2048]  # row stride 4096 > hidden
+    assert x.stride() == (4096, 1)
+    q, s = quant.per_token_cast(x, "e4m3", 128, round_sf=True)
+    rq, rs = ref_cast(x.contiguous(), "e4m3", (1, 128), round_sf=True)
+    assert_equal(q, rq)
+    assert_equal(s, rs)
+    assert_equal(quant.per_token_cast_with_sf_only(x, "e4m3", 128, round_sf=True), rs)
+    plain_sf = ref_cast(x.contiguous(), "e4m3", (1, 128))[1]
+    assert_equal(quant.per_token_cast_with_precomputed_sf(x, "e4m3", 128, plain_sf),
+                 ref_cast(x.contiguous(), "e4m3", (1, 128), sf=plain_sf)[0])
+
+
+REQUANT = [  # (input fmt, input block, input scales, output fmt, num_per_channels)
+    ("e4m3", (128, 128), "round", "e4m3", 128),
+    ("e2m1", (32, 32), "ue8m0", "e4m3", 128),
+    ("e4m3", (32, 32), "colmajor", "e2m1", 32),
+]
+
+
+@pytest.mark.parametrize("case", REQUANT, ids=lambda c: "-".join(map(str, c)))
+def test_per_token_cast_requantises(target, case):
+    in_fmt, xb, sfk, fmt, g = case
+    x = randn(rows(target, 300), 576)
+    kw = sf_opts(sfk)
+    qin = ref_cast(x, in_fmt, xb, **ref_opts(kw))
+    q, s = quant.per_token_cast(qin, fmt, g, x_block_size=xb, round_sf=True)
+    rq, rs = ref_cast(qin, fmt, (1, g), x_block=xb, round_sf=True)
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+
+
+def test_e2m1_codes_round_to_nearest_even(target):
+    # the ties between neighbouring codes, just below and above them, and specials
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    v = torch.cat([ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(9.0)), -ties,
+                   torch.tensor([0.0, -0.0, 6.0, -6.0, 1e-40, -1e-40])])
+    x = torch.zeros(2, 128)
+    x[0, :v.numel()] = v
+    x[0, -1] = 6.0  # amax 6: the scale is 1, the values are cast as they are
+    q, s = quant.per_token_cast(x, "e2m1", 128)
+    assert s[0, 0] == 1.0
+    codes = torch.stack([q.view(torch.uint8) & 15, q.view(torch.uint8) >> 4], -1).view(2, 128)
+    assert torch.equal(codes[0], e2m1_encode(x[0]).to(torch.uint8))
+    assert torch.equal(e2m1_decode(q)[0, :7], torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]))
+
+
+# e5m6 --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,sfk", [(torch.float32, "plain"), (torch.bfloat16, "ue8m0")])
+def test_e5m6_round_trip(target, dtype, sfk):
+    n, h = rows(target, 129), 576
+    kw = sf_opts(sfk)
+    specials = (None, 2.0 ** -20, 2.0 ** -14 * 63 / 64, 2.0 ** -14)  # min / max subnormal, min normal
+    for v in specials:
+        x = randn(n, h, dtype) if v is None else torch.full((n, h), v, dtype=dtype)
+        if v is not None:
+            x[:, -1] = 65024.0
+        q, s = quant.per_token_cast(x, "e5m6", h, **kw)
+        rq, rs = ref_cast(x, "e5m6", (1, h), **ref_opts(kw))
+        assert_equal(q, rq)
+        assert_equal(s, rs)
+        for fmt in ("bf16", "fp32"):
+            assert_equal(quant.cast_back((q, s), fmt, (1, h), x_special_fmt="e5m6"),
+                         ref_cast_back(q, s, (1, h), fmt, e5m6=True))
+    back = e5m6_decode(q) * (s.float() if s.dtype == torch.float32 else 1.0)
+    assert back.shape == (n, h)
+
+
+# per-block and per-channel --------------------------------------------------------------------------------------
+
+PER_BLOCK = [  # (tokens, hidden, dtype, fmt, block, scales)
+    (4001, 576, torch.bfloat16, "e4m3", (128, 128), "plain"),
+    (300, 2048, torch.float32, "e2m1", (32, 32), "ue8m0"),
+    (257, 576, torch.bfloat16, "e4m3", (32, 128), "colmajor"),
+]
+
+
+@pytest.mark.parametrize("case", PER_BLOCK, ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c))
+def test_per_block_cast(target, case):
+    n, h, dtype, fmt, block, sfk = case
+    x = randn(rows(target, n), h, dtype)
+    kw = sf_opts(sfk)
+    q, s = quant.per_block_cast(x, fmt, block, **kw)
+    rq, rs = ref_cast(x, fmt, block, **ref_opts(kw))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    check_bias(ref_cast_back(q, s, block, "fp32"), x.float())
+    if sfk == "plain":
+        assert_equal(quant.per_block_cast_with_sf_only(x, fmt, block), rs)
+        assert_equal(quant.per_block_cast_with_precomputed_sf(x, fmt, block, rs), ref_cast(x, fmt, block, sf=rs)[0])
+
+
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_per_channel_cast(target, round_sf):
+    x = randn(128 * (2 if target == "c" else 1), 576 if target == "c" else 130)
+    q, s = quant.per_channel_cast(x, "e4m3", 128, round_sf)
+    rq, rs = ref_cast(x, "e4m3", (128, 1), round_sf=round_sf)
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    check_bias(ref_cast_back(q, s, (128, 1), "fp32"), x.float())
+
+
+# back to floats -------------------------------------------------------------------------------------------------
+
+CAST_BACK = [  # (fmt, out, block, scales)
+    ("e4m3", "bf16", (1, 128), "plain"),
+    ("e2m1", "fp32", (1, 32), "ue8m0"),
+    ("e4m3", "fp32", (128, 128), "round"),
+    ("e4m3", "bf16", (128, 1), "plain"),
+    ("e4m3", "fp32", (1, 2048), "ue8m0"),
+]
+
+
+@pytest.mark.parametrize("case", CAST_BACK, ids=lambda c: "-".join(map(str, c)))
+def test_cast_back(target, case):
+    fmt, out, block, sfk = case
+    x = randn(rows(target, 1000), 2048)
+    q, s = ref_cast(x, fmt, block, **ref_opts(sf_opts(sfk)))
+    y = quant.cast_back((q, s), out, block)
+    assert_equal(y, ref_cast_back(q, s, block, out))
+    if block[0] == 1:
+        assert_equal(quant.per_token_cast_back((q, s), out, block[1]), y)
+
+
+def test_unpack_from_e2m1fn_x2(target):
+    q, _ = ref_cast(randn(rows(target, 64), 576), "e2m1", (1, 32))
+    assert_equal(quant.unpack_from_e2m1fn_x2(q), e2m1_decode(q))
+    assert quant.unpack_from_e2m1fn_x2(q.view(torch.uint8)[:3], torch.bfloat16).dtype == torch.bfloat16
+
+
+# SwiGLU --------------------------------------------------------------------------------------------------------
+
+def swiglu_ref(x, p2t=None, tw=None, p2e=None, clamp=None, counts=None):
+    h = x.shape[1] // 2
+    left, right = x[:, :h].float(), x[:, h:].float()
+    valid = (p2e >= 0).unsqueeze(1) if p2e is not None else torch.ones(x.shape[0], 1, dtype=torch.bool)
+    if clamp is not None:
+        if counts is not None:
+            counts += torch.stack([((left > clamp) & valid).sum(), ((right > clamp) & valid).sum(),
+                                   ((right < -clamp) & valid).sum()])
+        left = torch.where(left > clamp, clamp, left)
+        right = torch.where(right > clamp, clamp, torch.where(right < -clamp, -clamp, right))
+    out = silu(left) * right
+    if p2t is not None:
+        out = out * torch.where(p2t >= 0, tw.view(-1)[p2t.clamp(min=0).long()], 0.0).unsqueeze(1)
+    return torch.where(valid, out, 0.0)
+
+
+SWIGLU = [  # (tokens, hidden, num_per_channels, with weights / pos_to_expert, clamp, count, scales)
+    (4001, 1024, 128, True, 0.5, True, "round"),
+    (300, 1024, 1024, False, 10.0, False, "ue8m0"),
+    (33, 3584, 128, True, None, False, "plain"),
+]
+
+
+@pytest.mark.parametrize("case", SWIGLU, ids=lambda c: "-".join(map(str, c)))
+def test_swiglu_forward_and_per_token_cast(target, case):
+    n, h, g, routed, clamp, count, sfk = case
+    n = rows(target, n)
+    x = randn(n, 2 * h, scale=2.0)
+    p2t = torch.randint(-1, 2 * n, (n,), dtype=torch.int32) if routed else None
+    tw = torch.randn(n, 2) if routed else None
+    p2e = torch.randint(-1, 8, (n,), dtype=torch.int32) if routed else None
+    counts = torch.zeros(3, dtype=torch.int64) if count else None
+    counts_ref = torch.zeros(3, dtype=torch.int64) if count else None
+    kw = sf_opts(sfk)
+    q, s = quant.swiglu_forward_and_per_token_cast(x, "e4m3", g, p2t, tw, p2e, swiglu_clamp_value=clamp,
+                                                   clamped_count=counts, **kw)
+    rq, rs = ref_cast(swiglu_ref(x, p2t, tw, p2e, clamp, counts_ref), "e4m3", (1, g), **ref_opts(kw))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    if count:
+        assert_equal(counts, counts_ref)
+
+
+@pytest.mark.parametrize("g,round_sf,clamp", [(128, False, 0.5), (32, True, None)])
+def test_swiglu_backward_and_per_token_cast(target, g, round_sf, clamp):
+    n, h, tokens, k = rows(target, 400), 1024, rows(target, 400) // 2, 3
+    xq, xs = ref_cast(randn(n, 2 * h), "e4m3", (1, g))
+    grad_out = randn(n, h)
+    weight = torch.rand(tokens, k)
+    p2t = torch.randperm(n).to(torch.int32)
+    p2t[p2t >= tokens * k] = -1
+    ttp = torch.full((tokens * k,), -1, dtype=torch.int32)
+    ok = p2t >= 0
+    ttp[p2t[ok].long()] = torch.arange(n, dtype=torch.int32)[ok]
+    out, (gq, gs), xg, wg = quant.swiglu_backward_and_per_token_cast((xq, xs), grad_out, weight, p2t,
+                                                                      ttp.view(tokens, k), g, round_sf, clamp)
+    xd = xq.float() * xs.repeat_interleave(g, 1)
+    a, b = xd[:, :h], xd[:, h:]
+    if clamp is not None:
+        ca, cb = a > clamp, (b > clamp) | (b < -clamp)
+        a = torch.where(a > clamp, clamp, a)
+        b = torch.where(b > clamp, clamp, torch.where(b < -clamp, -clamp, b))
+    s, act = sigmoid(a), silu(a) * b
+    w = torch.where(ok, weight.view(-1)[p2t.clamp(min=0).long()], 0.0).unsqueeze(1)
+    gws = grad_out.float() * w * s
+    ga, gb = gws * b * fma(a, 1.0 - s, torch.ones_like(a)), gws * a
+    if clamp is not None:
+        ga, gb = torch.where(ca, 0.0, ga), torch.where(cb, 0.0, gb)
+    grad = torch.cat([ga, gb], 1)
+    assert_equal(out, (act * w).bfloat16())
+    assert_equal(xg, grad.bfloat16())
+    rq, rs = ref_cast(grad, "e4m3", (1, g), round_sf=round_sf)
+    assert_equal(gs, rs)
+    assert_equal(gq, rq)
+    from _quant_ref import lane_sum
+    wref = torch.zeros(tokens * k)
+    wref[p2t[ok].long()] = lane_sum(grad_out.float() * act)[ok]
+    assert_equal(wg, wref.view(tokens, k))
+
+
+# bad input ---------------------------------------------------------------------------------------------------------
+
+def test_bad_input_names_the_argument():
+    x = randn(4, 256)
+    cases = [
+        (lambda: quant.per_token_cast(x, "e3m4", 128), ValueError, "fmt"),
+        (lambda: quant.per_token_cast(x, "e4m3", 100), ValueError, "num_per_channels"),
+        (lambda: quant.per_token_cast(x.half(), "e4m3", 128), TypeError, "x"),
+        (lambda: quant.per_token_cast(x[0], "e4m3", 128), ValueError, "x"),
+        (lambda: quant.per_token_cast(x, "e4m3", 128, use_packed_ue8m0=True), ValueError, "use_packed_ue8m0"),
+        (lambda: quant.per_token_cast(x, "e4m3", 128, x_block_size=(1, 128)), ValueError, "x_block_size"),
+        (lambda: quant.per_token_cast((x.to(torch.float8_e4m3fn), torch.ones(4, 2)), "e4m3", 128), ValueError,
+         "x_block_size"),
+        (lambda: quant.per_token_cast((x.to(torch.float8_e4m3fn), torch.ones(4, 3)), "e4m3", 128,
+                                      x_block_size=(1, 128)), ValueError, "x[1]"),
+        (lambda: quant.per_token_cast_with_precomputed_sf(x, "e4m3", 128, torch.ones(4, 3)), ValueError, "sf"),
+        (lambda: quant.per_block_cast(x, "e4m3", (64, 128)), ValueError, "block_size"),
+        (lambda: quant.per_channel_cast(x, "e4m3", 128), ValueError, "num_tokens"),
+        (lambda: quant.cast_back((x.to(torch.float8_e4m3fn), torch.ones(4, 2)), "fp16", (1, 128)), ValueError,
+         "fmt"),
+        (lambda: quant.per_token_cast_to_e5m6(x, 128), ValueError, "num_per_channels"),
+        (lambda: quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128, clamped_count=torch.zeros(3)), ValueError,
+         "clamped_count"),
+        (lambda: quant.swiglu_forward_and_per_token_cast(randn(4, 512), "e4m3", 64), ValueError,
+         "num_per_channels"),
+    ]
+    for fn, exc, name in cases:
+        with pytest.raises(exc, match=name.replace("[", r"\[").replace("]", r"\]")):
+            fn()
+
+
+def test_layouts_and_empty_inputs():
+    q, s = quant.per_token_cast(randn(0, 2048), "e2m1", 128, **sf_opts("ue8m0"))
+    assert q.shape == (0, 1024) and q.dtype == torch.int8
+    assert s.shape == (0, 4) and s.dtype == torch.int32
+    q, s = quant.per_token_cast(randn(5, 2048), "e4m3", 128, use_tma_aligned_col_major_sf=True)
+    assert s.shape == (5, 16) and s.stride() == (1, 8)
+    assert layout(torch.ones(5, 16), col_major=True).stride() == s.stride()
