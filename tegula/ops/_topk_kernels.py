@@ -26,6 +26,7 @@ import tegula.language as T
 KMAX = 4096               # the largest k (DeepSelect's limit)
 CHUNK = 512               # keys scanned per step
 SUB = 32                  # keys per bit mask
+BLOCK = 4 * CHUNK         # keys copied (and prefetched) at once
 NSUB = CHUNK // SUB
 SAMPLE = CHUNK            # keys sampled for a first threshold
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
@@ -72,8 +73,8 @@ def _state(raw):
         ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
         hist=T.alloc_shared((HBINS,), "int32"),
         hist2=T.alloc_shared((HBINS,), "int32"),
-        xs=T.alloc_fragment((CHUNK,), raw),         # one chunk of the input (raw values)
-        ws=T.alloc_fragment((CHUNK,), "int32"),     # one chunk of a workspace (keys)
+        xs=T.alloc_fragment((BLOCK,), raw),         # one block of the input (raw values)
+        ws=T.alloc_fragment((BLOCK,), "int32"),     # one block of a workspace (keys)
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
         fb=T.alloc_fragment((NSUB, SUB), "uint32"),
         masks=T.alloc_fragment((NSUB,), "uint32"),
@@ -216,59 +217,69 @@ def _macros(bits):
         b.st[3] = kth
 
     @T.macro
+    def chunk(b, xb, off, base, src_idx, row, raw_src, k, b2):
+        """Append the keys of xb[off : off + CHUNK] (positions base...) that beat the threshold st[1]."""
+        thr = b.st[1]
+        # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
+        for lane in T.Parallel(LANES):
+            v = xb[off + lane]
+            top_key = key_raw(v) if raw_src else v
+            if raw_src:
+                mag = T.max(b.mg[lane], v & low)
+            for j in _ROWS_AFTER_FIRST:
+                v = xb[off + j * LANES + lane]
+                top_key = T.max(top_key, key_raw(v) if raw_src else v)
+                if raw_src:
+                    mag = T.max(mag, v & low)
+            b.lmax[lane] = T.cast(top_key, "int32")
+            if raw_src:
+                b.mg[lane] = mag
+        T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+        if b.ext[0] > thr:
+            # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits T.clz
+            # walks
+            for s, j in T.Parallel(NSUB, SUB):
+                kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
+                b.kk[s * SUB + j] = kv
+                b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
+            T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
+            cnt = b.st[0]
+            top = b.st[2]
+            bot = b.st[3]
+            for s in T.serial(NSUB):
+                m = b.masks[s]
+                while m != 0:
+                    # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
+                    j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                    m = m & (m - 1)
+                    kv = b.kk[s * SUB + j]
+                    b.ck[cnt] = kv
+                    b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
+                    cnt = cnt + 1
+                    top = T.max(top, kv)
+                    bot = T.min(bot, kv)
+            b.st[0] = cnt
+            b.st[2] = top
+            b.st[3] = bot
+            if cnt >= k + b2:
+                select(b, k)
+
+    @T.macro
     def scan(b, lo, hi, src, src_idx, row, raw_src, k, b2):
         """Append the keys of positions [lo, hi) of src[row, :] that beat the threshold st[1] (with their
         indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
-        Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check)."""
-        nfull = (hi - lo) // CHUNK
+        Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check). The input
+        comes in BLOCKs through a T.Pipelined loop, so the CPU target prefetches the next block meanwhile."""
         xb = b.xs if raw_src else b.ws
-        for c in T.serial(nfull):
-            base = lo + c * CHUNK
-            thr = b.st[1]
-            T.copy(src[row, base], xb)   # a whole-tile copy: its bounds are tested once, not per element
-            # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
-            for lane in T.Parallel(LANES):
-                v = xb[lane]
-                top_key = key_raw(v) if raw_src else v
-                if raw_src:
-                    mag = T.max(b.mg[lane], v & low)
-                for j in _ROWS_AFTER_FIRST:
-                    v = xb[j * LANES + lane]
-                    top_key = T.max(top_key, key_raw(v) if raw_src else v)
-                    if raw_src:
-                        mag = T.max(mag, v & low)
-                b.lmax[lane] = T.cast(top_key, "int32")
-                if raw_src:
-                    b.mg[lane] = mag
-            T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
-            if b.ext[0] > thr:
-                # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits
-                # T.clz walks
-                for s, j in T.Parallel(NSUB, SUB):
-                    kv = key_of(xb[s * SUB + j]) if raw_src else xb[s * SUB + j]
-                    b.kk[s * SUB + j] = kv
-                    b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
-                T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
-                cnt = b.st[0]
-                top = b.st[2]
-                bot = b.st[3]
-                for s in T.serial(NSUB):
-                    m = b.masks[s]
-                    while m != 0:
-                        # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
-                        j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                        m = m & (m - 1)
-                        kv = b.kk[s * SUB + j]
-                        b.ck[cnt] = kv
-                        b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
-                        cnt = cnt + 1
-                        top = T.max(top, kv)
-                        bot = T.min(bot, kv)
-                b.st[0] = cnt
-                b.st[2] = top
-                b.st[3] = bot
-                if cnt >= k + b2:
-                    select(b, k)
+        nblk = (hi - lo) // BLOCK
+        for blk in T.Pipelined(nblk, num_stages=2):
+            T.copy(src[row, lo + blk * BLOCK], xb)   # a whole-tile copy: one bounds test, not one per element
+            for q in T.serial(BLOCK // CHUNK):
+                chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2)
+        nfull = (hi - lo) // CHUNK
+        for c in T.serial(nblk * (BLOCK // CHUNK), nfull):
+            T.copy(src[row, lo + c * CHUNK], xb[0:CHUNK])
+            chunk(b, xb, 0, lo + c * CHUNK, src_idx, row, raw_src, k, b2)
         tail = lo + nfull * CHUNK
         thr = b.st[1]
         cnt = b.st[0]
@@ -336,7 +347,7 @@ def _macros(bits):
             b.lcnt[lane] = 0
         nfull = length // CHUNK
         for c in T.serial(nfull):
-            T.copy(src[row, c * CHUNK], b.xs)
+            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
             for lane in T.Parallel(LANES):
                 acc = b.lcnt[lane]
                 if track:
@@ -418,7 +429,7 @@ def _macros(bits):
         cnt = T.cast(0, "int32")
         nfull = length // CHUNK
         for c in T.serial(nfull):
-            T.copy(src[row, c * CHUNK], b.xs)
+            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
             for s, j in T.Parallel(NSUB, SUB):
                 kv = key_of(b.xs[s * SUB + j])
                 b.kk[s * SUB + j] = kv
