@@ -23,7 +23,7 @@ __all__ = ["topk", "get_stride_requirement"]
 
 MAX_TOPK = K.KMAX
 NAN_FLAG = K.NAN_FLAG
-SPLIT_MIN_SEGMENT = 1 << 16   # a row is split over cores only into segments of at least this many elements
+SPLIT_MIN_SEGMENT = 1 << 17   # a row is split over cores only into segments of at least this many elements
 
 
 

@@ -214,8 +214,9 @@ def test_nan_rows_are_refused_or_flagged(dtype):
 
 def test_nan_in_split_rows(monkeypatch):
     monkeypatch.setitem(topk_mod._CACHE, "threads", 8)
-    x = torch.randn(2, 200000).to(BF16)
-    x[1, 150000] = float("nan")
+    x = torch.randn(2, 300000).to(BF16)
+    assert topk_mod._segments(2, 300000) > 1
+    x[1, 250000] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         topk(x, 10)
     v, i = topk(x, 10, abort_when_nan_found=False)
