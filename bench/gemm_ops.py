@@ -16,11 +16,14 @@ the spread (max - min) / median of each contender's samples):
   fp8_gemm_nt of the same total M on one weight; the masked form; k_grouped_fp8_gemm_tn_contiguous.
 - indexer: fp8_mqa_logits and fp8_paged_mqa_logits against a torch implementation of the same formula.
 
-Outputs are preallocated once and reused; torch writes with out=.
+Outputs are preallocated once and reused; torch writes with out=. On a machine other work shares, --clock cpu
+compares the contenders one thread each by the CPU time a call takes, which that load disturbs far less than
+wall-clock time.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -38,18 +41,22 @@ COMPUTE_NK = [(2112, 7168), (7168, 2048)]
 
 # timing -----------------------------------------------------------------------------------------------------
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 def _sampler(fn, min_s):
     """A callable returning seconds per call of fn, batched so that one sample lasts >= min_s."""
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    inner = max(1, int(min_s / max(time.perf_counter() - t0, 1e-9)))
+    inner = max(1, int(min_s / max(clock() - t0, 1e-9)))
 
     def sample():
-        t = time.perf_counter()
+        t = clock()
         for _ in range(inner):
             fn()
-        return (time.perf_counter() - t) / inner
+        return (clock() - t) / inner
     return sample
 
 
@@ -278,12 +285,21 @@ def main(argv=None):
     p.add_argument("--ws", type=int, default=256, help="MiB of weights each decode contender cycles through")
     p.add_argument("--quick", action="store_true", help="fewer and smaller shapes")
     p.add_argument("--only", default="decode,compute,grouped,indexer", help="comma-separated sections")
+    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per "
+                        "call, which other load on the machine disturbs far less (GB/s are then per core)")
     args = p.parse_args(argv)
+    global clock
+    clock = CLOCK[args.clock]
+    if args.clock == "cpu":  # before any kernel is loaded: the c runtime reads it then
+        os.environ["TEGULA_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     only = set(args.only.split(","))
-    bw = measure_bandwidth(1 << 30)
-    print(f"measured bandwidth: plain copy {bw['stream_copy']:.1f} GB/s, non-temporal {bw['stream_copy_nt']:.1f} GB/s; "
-          f"torch threads {torch.get_num_threads()}, tegula workers {dg.get_num_sms()}", flush=True)
+    bw = measure_bandwidth(1 << 30, threads=1 if args.clock == "cpu" else None)
+    print(f"measured bandwidth: plain copy {bw['stream_copy']:.1f} GB/s, non-temporal {bw['stream_copy_nt']:.1f} GB/s "
+          f"(wall clock); torch threads {torch.get_num_threads()}, tegula threads "
+          f"{os.environ.get('TEGULA_NUM_THREADS') or dg.get_num_sms()}; clock {args.clock}", flush=True)
     if "decode" in only:
         decode_rows(args, bw["stream_copy"])
     if "compute" in only:

@@ -130,18 +130,27 @@ def _out(name, d, shape, dtypes):
     return d
 
 
-def _accumulate(d, c) -> bool:
-    """deep_gemm's c: d starts as c (copied unless c is d). Returns whether the kernel reads d."""
+def _check_c(d, c) -> bool:
+    """deep_gemm's c (checked; it may be d itself). Returns whether the kernel accumulates into d."""
     if c is None:
         return False
     _tensor("c", c, (d.dtype,), d.dim())
     if tuple(c.shape) != tuple(d.shape):
         raise ValueError(f"c: expected the shape of d {tuple(d.shape)}, got {tuple(c.shape)}")
-    if c.data_ptr() == d.data_ptr():
-        if c.stride() != d.stride():
-            raise ValueError("c: shares d's memory with other strides")
-    else:
+    if c.data_ptr() == d.data_ptr() and c.stride() != d.stride():
+        raise ValueError("c: shares d's memory with other strides")
+    return True
+
+
+def _start(d, c, k: int) -> bool:
+    """After every check: d starts as c (copied unless c is d), or as zeros when K is 0. Returns whether there
+    is a product to add."""
+    if c is not None and c.data_ptr() != d.data_ptr():
         d.copy_(c)
+    if k == 0:
+        if c is None:
+            d.zero_()
+        return False
     return True
 
 
@@ -252,19 +261,15 @@ def _fp8_gemm(a, b, d, c, recipe, recipe_a, recipe_b):
         raise ValueError(f"b: expected K = {k} (a's), got {kb_}")
     _out("d", d, (m, n), (torch.bfloat16, torch.float32))
     gn = _gran_k(recipe, recipe_a, recipe_b)
-    acc = _accumulate(d, c)
+    acc = _check_c(d, c)
     gn = _gran_n(gn, sfb, n, sfb.dtype == torch.int32) if isinstance(sfb, torch.Tensor) else SF_K
     sfa = _scales("a[1] (sfa)", sfa, m, k, 1)
     sfb = _scales("b[1] (sfb)", sfb, n, k, gn)
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        if not acc:
-            d.zero_()
-        return
-    sfa, sfb = _match_scales(sfa, sfb)
     a_s, ta = _storage("a", a)
     b_s, tb = _storage("b", b)
+    if m == 0 or n == 0 or not _start(d, c, k):
+        return
+    sfa, sfb = _match_scales(sfa, sfb)
     bm, bn, ck = _tiles(m, k, True)
     kern = _kernel(K_.mk_gemm, "dense", n, k, 1, "float8_e4m3fn", ta, not tb, _dt(d.dtype), acc,
                    _dt(sfa.dtype), sfa.shape[-1], sfb.shape[0], sfb.shape[-1], bm, bn, ck)
@@ -280,15 +285,11 @@ def _bf16_gemm(a, b, d, c):
     if kb_ != k:
         raise ValueError(f"b: expected K = {k} (a's), got {kb_}")
     _out("d", d, (m, n), (torch.bfloat16, torch.float32))
-    acc = _accumulate(d, c)
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        if not acc:
-            d.zero_()
-        return
+    acc = _check_c(d, c)
     a_s, ta = _storage("a", a)
     b_s, tb = _storage("b", b)
+    if m == 0 or n == 0 or not _start(d, c, k):
+        return
     bm, bn, ck = _tiles(m, k, False)
     kern = _kernel(K_.mk_gemm, "dense", n, k, 1, "bfloat16", ta, not tb, _dt(d.dtype), acc,
                    "float32", 1, 1, 1, bm, bn, ck)
@@ -631,11 +632,11 @@ def _k_grouped(a, b, d, ks_cpu, grouped_layout, c, use_psum_layout, fp8, recipe=
                 raise ValueError(f"{name}: expected per-channel scales of shape ({n_sf}, {mn}) (one row per "
                                  f"128 rows of each group), got {tuple(sf.shape)}")
         sfa, sfb = sfa.contiguous(), sfb.contiguous()
-    accumulate = _accumulate(d, c)
-    if not accumulate:
-        d.zero_()
-    if groups == 0 or m == 0 or n == 0 or total_k == 0:
+    _check_c(d, c)
+    if groups == 0 or m == 0 or n == 0 or not _start(d, c, total_k):
         return
+    if c is None:
+        d.zero_()
     info_t = torch.tensor(info, dtype=torch.int32).view(groups, 3)
     bm = 128 if m > 64 else _block_m(m)
     kern = _kernel(K_.mk_k_grouped_gemm, m, n, groups, _dt(dtype), bm, 128)
