@@ -24,6 +24,9 @@ class CudaEmitter(SimtEmitter):
         super().__init__(func)
         self.smem_offset = 0
 
+    def begin_kernel(self) -> None:
+        self.smem_offset = 0
+
     def declare(self, b) -> None:
         if b.scope != "shared":
             return super().declare(b)

@@ -4,12 +4,14 @@ locals as per-thread arrays.
 
 The first line of the source is the launch description the runtime reads (runtimes never see the IR):
 
-    // tegula-launch {"kernel": ..., "grid": [3 host expressions], "threads": N, "params": [...], ...}
+    // tegula-launch {"kernels": [{"name", "grid", "threads", "smem"}, ...], "params": [...], "writes": [...],
+    //                "workspaces": [{"dtype", "numel"}, ...]}
 
-``grid`` holds Python expressions over ``v[k]``, the k-th launch argument (the kernel's parameters, then its
-symbolic dims); ``params`` gives each argument's kind ("p:<dtype>" for a tensor, else the scalar dtype);
-``writes`` lists the tensors the kernel may write (the runtime copies those back when it copies at all);
-``smem`` is the block's shared memory in bytes.
+A function's T.Kernel blocks are launched in order, each with its ``grid`` (Python expressions over ``v[k]``,
+the k-th launch argument: the function's parameters, then its symbolic dims), ``threads`` per block and
+``smem`` bytes of shared memory. ``params`` gives each argument's kind ("p:<dtype>" for a tensor, else the
+scalar dtype); ``writes`` lists the tensors the kernels may write; ``workspaces`` are the T.alloc_global
+buffers the runtime allocates for a call and passes after the arguments.
 """
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ class SimtEmitter(CFamilyEmitter):
 
     def stmt_SimtKernel(self, k: X.SimtKernel):
         self.kernel = k
+        self.begin_kernel()
         for v, idx in zip(k.block_vars, self.block_index):
             self.w(f"const int32_t {self.nm(v)} = (int32_t){idx};")
         self.w(" ".join(f"(void){self.nm(v)};" for v in k.block_vars))
@@ -125,6 +128,9 @@ class SimtEmitter(CFamilyEmitter):
             if isinstance(s, S.Alloc) and s.buffer.alias is None:  # views are pointers, made where they appear
                 self.declare(s.buffer)
         self.stmt(k.body)
+
+    def begin_kernel(self) -> None:
+        """Hook: per-kernel state of a subclass (a function may hold several kernels)."""
 
     def declare(self, b) -> None:
         n = math.prod(int(d) for d in b.shape)
@@ -151,34 +157,50 @@ class SimtEmitter(CFamilyEmitter):
 
     def emit(self, symbols: list) -> str:
         f = self.func
-        if not isinstance(f.body, X.SimtKernel):
+        top = f.body.body if isinstance(f.body, S.Seq) else [f.body]
+        kernels = [k for k in top if isinstance(k, X.SimtKernel)]
+        if not kernels:
             raise CompileError(f"the {self.target} target needs a T.Kernel in {f.name}", f.loc)
-        args = list(f.params) + list(symbols)
-        params = [self.param_decl(p) for p in args]
-        self.ind = 1
-        self.stmt(f.body)
+        workspaces = [s.buffer for s in top if isinstance(s, S.Alloc) and s.buffer.is_global]
+        args = list(f.params) + list(symbols) + workspaces
         names = {id(p): f"v[{k}]" for k, p in enumerate(args) if isinstance(p, E.Var)}
-        k = self.kernel
-        written = {id(s.buffer) for s in S.walk(k.body) if isinstance(s, (S.Store, S.AtomicElem))}
+        params = ", ".join(self.param_decl(p) for p in args) or "void"
+        out, launches, written = [], [], set()
+        for i, k in enumerate(kernels):
+            self.lines, self.ind = [], 1
+            self.stmt(k)
+            name = f"tg_{f.name}" + (f"_{i}" if i else "")
+            try:
+                grid = [host_expr(E.as_expr(g), names) for g in k.grid] + ["1"] * (3 - len(k.grid))
+            except CompileError as e:
+                raise e.with_loc(k.loc)
+            launches.append({"name": name, "grid": grid, "threads": k.nthreads, "smem": self.shared_bytes()})
+            written |= {id(s.buffer) for s in S.walk(k.body) if isinstance(s, (S.Store, S.AtomicElem))}
+            out += ["", f"{self.kernel_prefix} void {self.launch_bounds(k)}{name}({params}) {{"] + self.lines + ["}"]
         try:
-            grid = [host_expr(E.as_expr(g), names) for g in k.grid] + ["1"] * (3 - len(k.grid))
+            spaces = [{"dtype": b.dtype.name, "numel": host_expr(_numel(b), names)} for b in workspaces]
         except CompileError as e:
-            raise e.with_loc(k.loc)
+            raise e.with_loc(workspaces[0].loc)
         meta = {
-            "kernel": f"tg_{f.name}",
-            "grid": grid,
-            "threads": k.nthreads,
-            "params": [p.dtype.name if isinstance(p, E.Var) else f"p:{p.dtype.name}" for p in args],
+            "kernels": launches,
+            "params": [p.dtype.name if isinstance(p, E.Var) else f"p:{p.dtype.name}" for p in args[:len(args) -
+                                                                                                  len(workspaces)]],
             "writes": [i for i, p in enumerate(f.params) if not isinstance(p, E.Var) and id(p) in written],
-            "smem": self.shared_bytes(),
+            "workspaces": spaces,
         }
         head = [LAUNCH_TAG + json.dumps(meta, separators=(",", ":")),
-                f"// generated by tegula for the {self.target} target", f'#include "{self.prelude}"', ""]
-        sig = f"{self.kernel_prefix} void {self.launch_bounds(k)}tg_{f.name}({', '.join(params) or 'void'})"
-        return "\n".join(head + [sig + " {"] + self.lines + ["}"]) + "\n"
+                f"// generated by tegula for the {self.target} target", f'#include "{self.prelude}"']
+        return "\n".join(head + out) + "\n"
 
     def launch_bounds(self, k) -> str:
         return ""
+
+
+def _numel(b):
+    n = E.Const(1, E.dt.int64)
+    for d in b.shape:
+        n = E.binop("*", n, E.cast(E.as_expr(d), E.dt.int64))
+    return n
 
 
 def _round16(n: int) -> int:

@@ -362,15 +362,22 @@ def _serial_inner(s):
 
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
+    """Each T.Kernel of the function becomes a SimtKernel (launched one after another, in order); the function's
+    body may hold nothing else but T.alloc_global workspaces."""
     body = func.body
-    kernels = [s for s in S.walk(body) if isinstance(s, S.Kernel)]
+    top = body.body if isinstance(body, S.Seq) else [body]
+    kernels = [s for s in top if isinstance(s, S.Kernel)]
+    for s in top:
+        if not isinstance(s, S.Kernel) and not (isinstance(s, S.Alloc) and s.buffer.is_global):
+            raise CompileError(f"on the {target.name} target everything a function does must be inside a T.Kernel",
+                               s.loc or func.loc)
+    out = [s if not isinstance(s, S.Kernel) else _distribute(s, target) for s in top]
     if not kernels:
         return func
-    k = kernels[0]
-    top = body.body if isinstance(body, S.Seq) else [body]
-    if any(s is not k and not isinstance(s, S.Alloc) for s in top) or k not in top:
-        raise CompileError(f"on the {target.name} target everything a function does must be inside its T.Kernel",
-                           k.loc)
+    return dataclasses.replace(func, body=out[0] if len(out) == 1 else S.Seq(out, loc=body.loc))
+
+
+def _distribute(k: S.Kernel, target) -> X.SimtKernel:
     nthreads = math.prod(int(t) for t in k.threads)
     limit = getattr(target, "max_threads", None)
     if limit and nthreads > limit:
@@ -380,6 +387,5 @@ def run(func: S.PrimFunc, target) -> S.PrimFunc:
                     getattr(target, "mma", ()))
     inner = d.uniform(k.body)
     prologue = [S.Assign(d.tid, X.ThreadIdx(), True, loc=k.loc)] + [S.Alloc(b, loc=k.loc) for b in d.allocs]
-    sk = X.SimtKernel(k.grid, k.threads, k.block_vars, S.Seq(prologue + [inner], loc=k.loc), loc=k.loc,
-                      tid=d.tid, nthreads=nthreads)
-    return dataclasses.replace(func, body=sk)
+    return X.SimtKernel(k.grid, k.threads, k.block_vars, S.Seq(prologue + [inner], loc=k.loc), loc=k.loc,
+                        tid=d.tid, nthreads=nthreads)

@@ -345,26 +345,20 @@ def _without(n: Nest, demoted) -> Nest:
 
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
-    kernels = [s for s in S.walk(func.body) if isinstance(s, S.Kernel)]
-    if not kernels:
-        return func
-    if len(kernels) > 1:
-        raise CompileError(f"the {target.name} target runs one T.Kernel per function; this one has "
-                           f"{len(kernels)}", kernels[1].loc)
-    prog = Program(kernels[0], getattr(target, "mma", ()))
-    layouts = solve(prog, reduction_threads(target))
     new: dict = {}
-    for s in S.walk(kernels[0].body):
-        if isinstance(s, S.Alloc) and is_fragment(s.buffer):
-            b = s.buffer
-            if b in layouts:
-                nb = Buffer(b.name, b.shape, b.dtype, "fragment", b.loc)
-                nb.layout = layouts[b]
-            else:
-                nb = Buffer(b.name, b.shape, b.dtype, "shared", b.loc)
-            nb.alias = new.get(b.alias, b.alias)
-            new[b] = nb
-    return _replace_buffers(func, new)
+    for kernel in (s for s in S.walk(func.body) if isinstance(s, S.Kernel)):  # each kernel on its own
+        layouts = solve(Program(kernel, getattr(target, "mma", ())), reduction_threads(target))
+        for s in S.walk(kernel.body):
+            if isinstance(s, S.Alloc) and is_fragment(s.buffer):
+                b = s.buffer
+                if b in layouts:
+                    nb = Buffer(b.name, b.shape, b.dtype, "fragment", b.loc)
+                    nb.layout = layouts[b]
+                else:
+                    nb = Buffer(b.name, b.shape, b.dtype, "shared", b.loc)
+                nb.alias = new.get(b.alias, b.alias)
+                new[b] = nb
+    return _replace_buffers(func, new) if new else func
 
 
 def _replace_buffers(func: S.PrimFunc, new: dict) -> S.PrimFunc:

@@ -166,8 +166,11 @@ def _same(a, b) -> bool:
 
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
-    k = func.body
-    if not isinstance(k, X.SimtKernel):
-        return func
-    body = Placer(k.tid).block(k.body, {})
-    return dataclasses.replace(func, body=dataclasses.replace(k, body=_flat(body)))
+    def place(k):
+        if not isinstance(k, X.SimtKernel):
+            return k
+        return dataclasses.replace(k, body=_flat(Placer(k.tid).block(k.body, {})))
+
+    if isinstance(func.body, S.Seq):
+        return dataclasses.replace(func, body=S.Seq([place(k) for k in func.body.body], loc=func.body.loc))
+    return dataclasses.replace(func, body=place(func.body))

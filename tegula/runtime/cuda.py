@@ -180,23 +180,25 @@ def load(path: str, name: str, signature: list[str]) -> "CudaProgram":
 
 
 class CudaProgram:
-    """A built kernel: ``launch(*args)`` with device pointers (ints) for tensors, Python numbers for scalars,
-    then the symbolic dims. The module is loaded into the current context at the first launch."""
+    """A built function: ``launch(*args)`` with device pointers (ints) for tensors, Python numbers for scalars,
+    then the symbolic dims; its kernels run in order on torch's current stream. The module is loaded into the
+    current context at the first launch."""
 
     def __init__(self, meta: dict, binary: bytes):
         self.meta, self.binary = meta, binary
-        self.function = None
+        self.functions = None
         self.types = [ctypes.c_uint64 if k.startswith("p:") else _CTYPES.get(k) for k in meta["params"]]
+        self.name = meta["kernels"][0]["name"]
         if any(t is None for t in self.types):
             bad = [k for k, t in zip(meta["params"], self.types) if t is None]
-            raise CompileError(f"kernel {meta['kernel']}: scalar parameters of type {bad} are not supported on cuda")
+            raise CompileError(f"kernel {self.name}: scalar parameters of type {bad} are not supported on cuda")
 
     def ready(self) -> None:
         """Raise RuntimeError unless a CUDA device can run this kernel (before any argument is touched)."""
         devs, why = _device_info()
         if not devs:
-            raise RuntimeError(f"kernel {self.meta['kernel']} was built for cuda ({arch()}), but it cannot run here: "
-                               f"{why}. Use target='opencl' or 'c' on this machine.")
+            raise RuntimeError(f"kernel {self.name} was built for cuda ({arch()}), but it cannot run here: {why}. "
+                               "Use target='opencl' or 'c' on this machine.")
 
     def _load(self):
         import torch
@@ -205,25 +207,33 @@ class CudaProgram:
         dev = _check(cu.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
         ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        module = _check(cu.cuModuleLoadData(self.binary), "cuModuleLoadData")
-        fn = _check(cu.cuModuleGetFunction(module, self.meta["kernel"].encode()), "cuModuleGetFunction")
-        smem = self.meta["smem"]
-        if smem > 48 * 1024:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(cu.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute")
-        self.module, self.function = module, fn
+        self.module = _check(cu.cuModuleLoadData(self.binary), "cuModuleLoadData")
+        functions = []
+        for k in self.meta["kernels"]:
+            fn = _check(cu.cuModuleGetFunction(self.module, k["name"].encode()), "cuModuleGetFunction")
+            if k["smem"] > 48 * 1024:
+                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check(cu.cuFuncSetAttribute(fn, attr, k["smem"]), "cuFuncSetAttribute")
+            functions.append((fn, k))
+        self.functions = functions
 
     def launch(self, *args) -> None:
         self.ready()
-        if self.function is None:
+        if self.functions is None:
             self._load()
         import torch
         cu = _driver()
-        g = launch.grid(self.meta, args)
-        if min(g) <= 0:
-            return
         values = [t(int(a) if t is ctypes.c_uint64 else a) for t, a in zip(self.types, args)]
+        spaces = [torch.empty(max(n, 1), dtype=torch.uint8, device="cuda")
+                  for n in launch.workspace_bytes(self.meta, args)]
+        values += [ctypes.c_uint64(w.data_ptr()) for w in spaces]
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-        _check(cu.cuLaunchKernel(self.function, g[0], g[1], g[2], self.meta["threads"], 1, 1, self.meta["smem"],
-                                 stream, ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+        for fn, k in self.functions:
+            g = launch.grid(k, args)
+            if min(g) > 0:
+                _check(cu.cuLaunchKernel(fn, g[0], g[1], g[2], k["threads"], 1, 1, k["smem"], stream,
+                                         ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+        if spaces:  # the workspaces go back to torch's allocator once the stream is past these kernels
+            for w in spaces:
+                w.record_stream(torch.cuda.current_stream())

@@ -1,9 +1,9 @@
 """What the SIMT runtimes (opencl, cuda) share: the launch description at the top of a kernel's source, and the
 file a built kernel is cached as (the description, then the device binary).
 
-The description (written by codegen/simt.py) is one JSON line: the kernel's name, its grid as Python
-expressions over the launch arguments ``v``, threads per block, each argument's kind, the tensors it writes and
-its shared memory in bytes.
+The description (written by codegen/simt.py) is one JSON line: the kernels to launch in order, each with its
+name, grid (Python expressions over the launch arguments ``v``), threads per block and shared memory in bytes;
+each argument's kind; the tensors the kernels write; and the workspaces (T.alloc_global) a call allocates.
 """
 from __future__ import annotations
 
@@ -27,10 +27,23 @@ def _tdiv(a: int, b: int) -> int:
     return q if (a >= 0) == (b >= 0) else -q
 
 
-def grid(meta: dict, args) -> tuple:
-    """The grid (3 ints) for the launch arguments ``args`` (tensors and scalars, then symbolic dims)."""
+def evaluate(expr: str, args) -> int:
+    """A host expression of the description (written by codegen/simt.py) for the launch arguments ``args``."""
     env = {"v": args, "min": min, "max": max, "int": int, "_tdiv": _tdiv, "__builtins__": {}}
-    return tuple(int(eval(g, env)) for g in meta["grid"])  # noqa: S307 (expressions written by codegen/simt.py)
+    return int(eval(expr, env))  # noqa: S307
+
+
+def grid(kernel: dict, args) -> tuple:
+    """The grid (3 ints) of one of the description's kernels for the launch arguments ``args`` (tensors and
+    scalars, then symbolic dims)."""
+    return tuple(evaluate(g, args) for g in kernel["grid"])
+
+
+def workspace_bytes(meta: dict, args) -> list[int]:
+    """Bytes of each T.alloc_global workspace for the launch arguments ``args``."""
+    sizes = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
+             "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
+    return [evaluate(w["numel"], args) * sizes.get(w["dtype"], 1) for w in meta.get("workspaces", [])]
 
 
 def write(path: str, meta: dict, binary: bytes) -> None:

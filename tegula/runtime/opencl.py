@@ -140,45 +140,49 @@ def load(path: str, name: str, signature: list[str]) -> "OpenCLProgram":
         prg = _compile(source.decode(), name)
     except CompileError as e:
         raise OSError(f"cached OpenCL kernel {path} does not build: {e}") from None
-    return OpenCLProgram(cl, ctx, queue, cl.Kernel(prg, meta["kernel"]), meta)
+    return OpenCLProgram(cl, ctx, queue, prg, meta)
 
 
 class OpenCLProgram:
-    """A loaded kernel; called with host arrays for tensors and Python numbers for scalars, then symbolic dims."""
+    """A loaded function (its kernels, launched in order); called with host arrays for tensors and Python numbers
+    for scalars, then symbolic dims."""
 
-    def __init__(self, cl, ctx, queue, kernel, meta: dict):
+    def __init__(self, cl, ctx, queue, program, meta: dict):
         import numpy as np
-        self.cl, self.ctx, self.queue, self.kernel, self.meta = cl, ctx, queue, kernel, meta
-        self.threads = meta["threads"]
+        self.cl, self.ctx, self.queue, self.meta = cl, ctx, queue, meta
+        self.kernels = [(cl.Kernel(program, k["name"]), k) for k in meta["kernels"]]
         self.writes = set(meta["writes"])
         self.scalars = {}
         for k, kind in enumerate(meta["params"]):
             if not kind.startswith("p:"):
                 self.scalars[k] = _scalar_type(np, kind)
         limit = queue.device.max_work_group_size
-        if self.threads > limit:
-            raise CompileError(f"kernel {meta['kernel']} uses {self.threads} threads per block; the OpenCL device "
-                               f"{queue.device.name.strip()} runs at most {limit}")
+        for _, k in self.kernels:
+            if k["threads"] > limit:
+                raise CompileError(f"kernel {k['name']} uses {k['threads']} threads per block; the OpenCL device "
+                                   f"{queue.device.name.strip()} runs at most {limit}")
 
     def __call__(self, *args):
         cl, mf = self.cl, self.cl.mem_flags
-        g = launch.grid(self.meta, args)
-        buffers, alive = [], []  # the buffers must outlive the launch
+        values, results = [], []  # the buffers must outlive the launches
         for k, a in enumerate(args):
             if k in self.scalars:
-                self.kernel.set_arg(k, self.scalars[k](a))
+                values.append(self.scalars[k](a))
                 continue
             raw = _bytes(a)
             flags = (mf.READ_WRITE if k in self.writes else mf.READ_ONLY) | mf.USE_HOST_PTR
             buf = cl.Buffer(self.ctx, flags, hostbuf=raw)
-            self.kernel.set_arg(k, buf)
-            alive.append(buf)
+            values.append(buf)
             if k in self.writes and a.size:
-                buffers.append((buf, raw))
-        if min(g) > 0:
-            cl.enqueue_nd_range_kernel(self.queue, self.kernel, (g[0] * self.threads, g[1], g[2]),
-                                       (self.threads, 1, 1))
-        for buf, raw in buffers:  # make the results visible in host memory
+                results.append((buf, raw))
+        for nbytes in launch.workspace_bytes(self.meta, args):
+            values.append(cl.Buffer(self.ctx, mf.READ_WRITE, max(nbytes, 1)))
+        for kernel, k in self.kernels:
+            g = launch.grid(k, args)
+            if min(g) > 0:
+                kernel.set_args(*values)
+                cl.enqueue_nd_range_kernel(self.queue, kernel, (g[0] * k["threads"], g[1], g[2]), (k["threads"], 1, 1))
+        for buf, raw in results:  # make the results visible in host memory
             m, _ = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.READ, 0, raw.shape, raw.dtype)
             m.base.release(self.queue)
         self.queue.finish()

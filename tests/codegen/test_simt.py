@@ -166,10 +166,11 @@ def test_launch_description_carries_grid_threads_and_arguments():
                 B[bx * 16 + i, j] = A[bx * 16 + i, j] * scale
 
     meta = launch.parse(tegula.lower(main, target="opencl").kernel_source)
-    assert meta["threads"] == 64
+    (kernel,) = meta["kernels"]
+    assert kernel["threads"] == 64 and kernel["name"] == "tg_main"
     assert meta["params"] == ["p:float32", "p:float32", "float32", "int32"]
     assert meta["writes"] == [1]
-    assert launch.grid(meta, [None, None, 2.0, 100]) == (7, 1, 1)
+    assert launch.grid(kernel, [None, None, 2.0, 100]) == (7, 1, 1)
 
 
 def test_narrow_floats_are_raw_bits_in_opencl():
@@ -180,13 +181,11 @@ def test_narrow_floats_are_raw_bits_in_opencl():
 # errors and checks -----------------------------------------------------------------------------
 
 
-def two_kernels():
+def host_code():
     @T.prim_func
     def main(A: T.Tensor((8,), "float32")):
+        A[0] = 1.0  # error: host-code
         with T.Kernel(1):
-            for i in T.Parallel(8):
-                A[i] = 1.0
-        with T.Kernel(1):  # error: second-kernel
             for i in T.Parallel(8):
                 A[i] = A[i] + 1.0
 
@@ -221,7 +220,7 @@ def line_of(tag):
 
 @pytest.mark.parametrize("target", SIMT)
 @pytest.mark.parametrize("factory, tag, words", [
-    (two_kernels, "second-kernel", "one T.Kernel"),
+    (host_code, "host-code", "inside a T.Kernel"),
     (too_many_threads, "threads", "2048 threads"),
     (grid_from_memory, "grid", "grid size"),
 ])

@@ -54,8 +54,9 @@ def build_pending() -> None:
         if src in seen:
             continue
         seen.add(src)
-        kernel = re.search(r'"kernel":"(\w+)"', src).group(1)
-        unit.append(f"// ---- {where}\n" + src.replace(f" {kernel}(", f" {kernel}_{k}(", 1))
+        for kernel in re.findall(r'"name":"(\w+)"', src.split("\n", 1)[0]):  # unique names in the unit
+            src = src.replace(f" {kernel}(", f" {kernel}_b{k}(", 1)
+        unit.append(f"// ---- {where}\n" + src)
     text = "\n".join(unit)
     path = cuda_rt.nvcc()
     # device code unoptimised: a third of the time of -O3 for the unrolled GEMM tiles, and the same checks

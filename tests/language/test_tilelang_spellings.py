@@ -84,8 +84,6 @@ def test_lambda_is_a_compile_time_function(target):
 
 
 def test_alloc_global_workspace_between_two_kernels(target):
-    if target in ("opencl", "cuda"):
-        pytest.skip("the SIMT targets run one T.Kernel per function")
     # split the rows of a reduction over blocks, keep partial sums in a workspace, combine in a second grid
     @T.prim_func
     def main(A: T.Tensor((6, 32), "float32"), S: T.Tensor((6,), "float32")):
