@@ -259,7 +259,8 @@ def test_bad_arguments(call, err, match):
 # the reference interpreter -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,b,n,k,by_value", [(BF16, 2, 40, 5, False), (F32, 2, 40, 5, True),
-                                                   (F16, 1, 1100, 7, False), (BF16, 1, 1100, 300, True)])
+                                                   (F16, 1, 1100, 7, False), (BF16, 1, 1100, 300, True),
+                                                   (BF16, 1, 2100, 300, False)])   # the counting path
 def test_interp_agrees(monkeypatch, dtype, b, n, k, by_value):
     x = torch.randn(b, n).to(dtype)
     x[0, 3] = x[0, 9]   # a tie
