@@ -19,14 +19,20 @@ def tile_shape(rg: Region) -> tuple:
     return tuple(int(E.const_value(e)) for e in rg.extents if E.const_value(e) != 1)
 
 
+def index_expr(x) -> E.Expr:
+    """An index or extent as int32, or as int64 when it already is one (a start past 2^31 must not wrap)."""
+    x = E.as_expr(x)
+    return x if x.dtype == dt.int64 else E.cast(x, dt.int32)
+
+
 def region_index(rg: Region, ivars) -> tuple:
     """Indices into ``rg.buffer`` for a point of the squeezed tile given by ``ivars``."""
     out, k = [], 0
     for s, e in zip(rg.starts, rg.extents):
         if E.const_value(e) == 1:
-            out.append(E.cast(E.as_expr(s), dt.int32))
+            out.append(index_expr(s))
         else:
-            out.append(E.binop("+", E.cast(E.as_expr(s), dt.int32), ivars[k]))
+            out.append(E.binop("+", index_expr(s), ivars[k]))
             k += 1
     return tuple(out)
 
@@ -37,7 +43,7 @@ def in_bounds(rg: Region, idx) -> E.Expr | None:
         return None
     cond = None
     for i, n in zip(idx, rg.buffer.shape):
-        c = E.logical("and", E.compare(">=", i, 0), E.compare("<", i, E.cast(E.as_expr(n), dt.int32)))
+        c = E.logical("and", E.compare(">=", i, 0), E.compare("<", i, index_expr(n)))
         cond = c if cond is None else E.logical("and", cond, c)
     return None if isinstance(cond, E.Const) and cond.value else cond
 
@@ -48,9 +54,9 @@ def tile_in_bounds(rg: Region) -> E.Expr | None:
         return None
     cond = None
     for s, e, n in zip(rg.starts, rg.extents, rg.buffer.shape):
-        s = E.cast(E.as_expr(s), dt.int32)
+        s = index_expr(s)
         c = E.logical("and", E.compare(">=", s, 0),
-                      E.compare("<=", E.binop("+", s, int(E.const_value(e))), E.cast(E.as_expr(n), dt.int32)))
+                      E.compare("<=", E.binop("+", s, int(E.const_value(e))), index_expr(n)))
         cond = c if cond is None else E.logical("and", cond, c)
     return None if isinstance(cond, E.Const) and cond.value else cond
 
