@@ -48,7 +48,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
     BN = block_n
     kv_dtype = "float8_e4m3fn" if fp8 else dtype
     groups, n_items, n_slots = T.dynamic("groups"), T.dynamic("n_items"), T.dynamic("n_slots")
-    na, ns, nr = T.dynamic("na"), T.dynamic("ns"), T.dynamic("nr")
+    na, ns, nr = T.dynamic("na", "int64"), T.dynamic("ns", "int64"), T.dynamic("nr", "int64")   # caches > 2^31
     tab_rows, tab_cols, n_sink, n_max = T.dynamic("tab_rows"), T.dynamic("tab_cols"), T.dynamic("n_sink"), \
         T.dynamic("n_max")
     neg_inf = -T.infinity("float32")
