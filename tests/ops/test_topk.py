@@ -87,7 +87,7 @@ def test_long_rows_split_over_cores_and_merged(monkeypatch, k):
     x = torch.randn(3, 300000).to(BF16)
     end = torch.tensor([300000, 200001, k // 2], dtype=torch.int32)
     off = torch.tensor([5, -3, 100], dtype=torch.int32)
-    v, i = topk(x, k, end=end, output_idx_offset=off, indices_type=torch.int32)
+    v, i = topk(x, k, end=end, output_idx_offset=off)
     check(x, k, v, i, end=end, offset=off)
     v, i = topk(x, k, sorted=True)
     check(x, k, v, i, by_value=True)
@@ -125,8 +125,7 @@ def test_sample_fallback_when_the_sample_is_misleading():
 
 # end, fill values, offsets, outputs -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-@pytest.mark.parametrize("idx_type", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64), (F32, torch.int64)])
 def test_end_fill_offset(dtype, idx_type):
     b, n, k = 7, 3000, 100
     x = torch.randn(b, n).to(dtype)
