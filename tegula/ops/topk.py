@@ -6,10 +6,11 @@ scanned once against a rising threshold into a small candidate buffer that a rad
 run one per core; when there are fewer rows than cores, long rows are split into segments whose top-k are merged.
 
 Where tegula differs from DeepSelect: float16 input is accepted too, ``sorted=True`` works for every input
-dtype, ``output_idx_offset`` is supported, ``begin`` and ``hint`` must be None (as in DeepSelect today), and a
-NaN found with ``abort_when_nan_found=True`` raises ValueError instead of aborting the process. Results are
-deterministic: ties at the k-th value keep the lowest indices, unsorted output lists indices in ascending order
-(so ``sorted_index`` costs nothing) and ``sorted=True`` orders equal values by index.
+dtype, ``begin`` and ``hint`` must be None (as in DeepSelect today), a NaN found with
+``abort_when_nan_found=True`` raises ValueError instead of aborting the process, and rows with a non-unit stride
+are copied once rather than refused. Results are deterministic: values rank by their bits' order (so -0.0 below
++0.0), ties at the k-th value keep the lowest indices, unsorted output lists indices in ascending order (so
+``sorted_index`` costs nothing) and ``sorted=True`` orders equal values by index.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ __all__ = ["topk", "get_stride_requirement"]
 MAX_TOPK = K.KMAX
 NAN_FLAG = K.NAN_FLAG
 SPLIT_MIN_SEGMENT = 1 << 17   # a row is split over cores only into segments of at least this many elements
-
 
 
 def get_stride_requirement() -> tuple[int, int]:
