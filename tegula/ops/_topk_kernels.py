@@ -4,13 +4,16 @@ Values are read as raw bits (int16 for bf16/fp16, int32 for fp32) and become ord
 ``key = v ^ ((v >> 31) & low_mask)`` on the sign-extended bits flips the magnitude of negative numbers, so that
 integer order is float order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN) and the map is its own inverse.
 
-A block scans its range in chunks of CHUNK keys. One vectorised pass per chunk computes the keys and, for each
-SUB-key piece, a bit mask of the keys above the threshold (T.reduce_sum of distinct bits); T.clz then walks the
-set bits, appending exactly the survivors, in index order, to the candidate buffer. When the buffer holds k + b2
-entries a radix select over the candidates' own key range (<= 11 bits per pass) finds the k-th largest key,
-keeps the k largest (ties: lower index first) and makes that key the threshold. Rows not much longer than
-SAMPLE * k start from a threshold estimated on SAMPLE evenly spaced keys. Candidates stay in index order, so
-indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
+A block reads its range in BLOCKs through a T.Pipelined loop (the CPU target prefetches the next one) and
+filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a chunk whose
+largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (T.reduce_sum of
+distinct bits) whose set bits T.clz walks, appending exactly the survivors, in index order, to the candidate
+buffer. When the buffer holds k + b2 entries a radix select over the candidates' own key range (<= 11 bits per
+pass) finds the k-th largest key, keeps the k largest (ties: lower index first) and makes that key the
+threshold (DeepSelect's scheme). Rows up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly
+spaced keys; short 16-bit rows with k >= n / 8 instead find the exact k-th key by counting passes (short_row).
+Candidates stay in index order, so indices come out ascending unless values are sorted (an LSD radix sort on
+8-bit digits, stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
