@@ -8,7 +8,8 @@ Each rank is a process pinned to one core (rank % cores) with one thread. GB/s p
 receives in dispatch (DeepEP's convention; combine sends the same rows back) / the time. Each repeat starts after
 a barrier and its time is the slowest rank's; the table gives the median over repeats and the spread (min-max).
 memcpy = one process (rank 0 widened to all cores, the other ranks waiting) copying the same bytes into a warm
-buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted in bytes copied. gloo =
+buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted in bytes copied; the same on the
+one core of rank 0 is shown for reference (the ratios are against all cores). gloo =
 all_to_all_single of the same per-destination bytes. The four are interleaved in every repeat, so all of them see
 the same machine load. CPU ms (process CPU time; the memcpy's is summed over its threads) tells how much of a
 time was work when the machine is shared.
@@ -69,9 +70,10 @@ def _worker(args) -> None:
     cpy_src = torch.empty(sum(recv_split), dtype=torch.uint8).fill_(1) if rank == 0 else None
     cpy_dst = torch.empty_like(cpy_src).fill_(0) if rank == 0 else None
 
-    def memcpy():
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+    def memcpy(all_cores=True):
+        if all_cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
         best = None
         for fn in (lambda: cpy_dst.copy_(cpy_src),  # torch, every core
                    lambda: np.copyto(cpy_dst.numpy(), cpy_src.numpy())):  # glibc memcpy: non-temporal stores here
@@ -83,7 +85,7 @@ def _worker(args) -> None:
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
         return best
 
-    times = {"dispatch": [], "combine": [], "combine_private": [], "gloo": [], "memcpy": []}
+    times = {"dispatch": [], "combine": [], "combine_private": [], "gloo": [], "memcpy": [], "memcpy1": []}
     expert_out = None
     for i in range(args.reps + 2):  # the first two warm up both receive slots and the kernels
         dt, (recv_x, _, recv_w, _, handle, _) = timed(dispatch)
@@ -95,8 +97,10 @@ def _worker(args) -> None:
         gt, _ = timed(lambda: dist.all_to_all_single(a2a_dst, a2a_src, recv_split, send_bytes))
         dist.barrier()
         mt = memcpy() if rank == 0 else (0.0, 0.0)
+        dist.barrier()
+        m1 = memcpy(all_cores=False) if rank == 0 else (0.0, 0.0)
         if i >= 2:
-            for name, v in zip(times, (dt, ct, pt, gt, mt)):
+            for name, v in zip(times, (dt, ct, pt, gt, mt, m1)):
                 times[name].append(v)
     recv_bytes = recv_x.numel() * recv_x.element_size()
     out = [None] * world
@@ -144,7 +148,7 @@ def main() -> None:
 
     names = {"dispatch": "dispatch", "combine": "combine (x = recv_x, read in place)",
              "combine_private": "combine (x a private tensor)", "memcpy": "memcpy (1 process, all cores)",
-             "gloo": "gloo all_to_all_single"}
+             "memcpy1": "memcpy (1 process, 1 core)", "gloo": "gloo all_to_all_single"}
 
     def slowest(key):  # per repeat, the slowest rank's wall time
         return [max(r[key][i][0] for r in ranks) for i in range(len(ranks[0][key]))]

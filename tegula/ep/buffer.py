@@ -367,7 +367,6 @@ class Buffer:
         x_c = x.contiguous()
         s_c = x_scales.contiguous() if x_scales is not None else None
         n_local = n_exp // r_n
-        local = [localise(topk_idx, topk_weights, r * n_local, n_local) for r in range(r_n)] if k else None
         start = exclusive(prefix)  # start[s, r]: where rank s's rows begin at rank r
 
         def payload(r):  # what this rank sends r, row for row; (tensor, rows) pairs are gathered on the way
@@ -376,7 +375,7 @@ class Buffer:
             if s_c is not None:
                 out["x_scales"] = (s_c, tok)
             if k:
-                out["topk_idx"], out["topk_weights"] = local[r][0][tok], local[r][1][tok]
+                out["topk_idx"], out["topk_weights"] = localise(topk_idx[tok], topk_weights[tok], r * n_local, n_local)
             return out
 
         def place(mine, s, rows):

@@ -244,5 +244,5 @@ class ShmGroup:
                     if now - start > self.timeout_s:
                         raise PeerFailure(f"tegula.ep: {what}: timed out after {self.timeout_s:g} s waiting for rank "
                                           f"{pending[0]} {goal} (rank {self.rank}, operation {self.seq})")
-                time.sleep(0 if now - start < 2e-3 else 1e-4)
+                time.sleep(0 if now - start < 2e-4 else 5e-5)
             pending = [r for r in pending if value(r) < self.seq]
