@@ -224,14 +224,15 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
     bm = _block_m(m) if m < 256 or grouped else 256
     if grouped:
         bm = min(bm, _grouped_block_m())
-    if not fp8:
-        return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
     kb = ceil_div(k, SF_K)
     if bm <= 16 and not grouped:
         # decode: the weight rows of a block copied whole (one sequential stream the hardware prefetcher follows),
-        # 64 of them, up to 1 MiB (L2)
-        c = max(d for d in range(1, kb + 1) if kb % d == 0 and 64 * d * SF_K <= 1 << 20)
+        # 64 of them, up to 1 MiB (L2); fp8 needs whole 128-blocks of K per copy
+        esize = 1 if fp8 else 2
+        c = max(d for d in range(1, kb + 1) if kb % d == 0 and 64 * d * SF_K * esize <= 1 << 20)
         return bm, 64, c * SF_K
+    if not fp8:
+        return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
     ck = next(c for c in ((4, 2, 1) if bm <= 64 or grouped else (2, 1)) if kb % c == 0) * SF_K
     return bm, 256 if grouped and bm == 128 else 128, ck
 
