@@ -26,6 +26,13 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _ordered_stores() -> bool:
+    """Whether plain stores become visible in program order (x86's TSO), which the shared-memory counters rely
+    on: elsewhere 'auto' keeps to torch.distributed and 'shm' must be asked for."""
+    import platform
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def _requested(transport, world: int):
     """The caller's transport choice as a world x world matrix of None (auto), 'shm' or 'dist'."""
     if transport in (None, "auto"):
@@ -75,7 +82,7 @@ class Comm:
                 if req[i][j] == "shm" and hosts[i] != hosts[j]:
                     raise ValueError(f"tegula.ep: transport 'shm' between ranks {i} and {j}, which are on different "
                                      f"machines ({hosts[i]} and {hosts[j]})")
-                if req[i][j] in (None, "shm") and hosts[i] == hosts[j]:
+                if (req[i][j] == "shm" or req[i][j] is None and _ordered_stores()) and hosts[i] == hosts[j]:
                     kinds[i][j] = "shm"
         if any(k == "shm" for row in kinds for k in row):
             kinds = self._map_segments(infos, kinds, req, segment_bytes)
