@@ -125,14 +125,41 @@ def _freeze(x):
 
 
 class JitFactory:
-    """``@tegula.jit`` on a factory of prim_funcs: one compiled kernel per tuple of compile-time arguments."""
+    """``@tegula.jit`` on a factory of prim_funcs: one compiled kernel per tuple of compile-time arguments. On an
+    eager function (whose body is the kernel's body: see tegula/jit/eager.py), a call compiles and runs."""
 
-    def __init__(self, fn, out_idx=None, target=None, options=None):
+    def __init__(self, fn, out_idx=None, target=None, options=None, frame_locals=None):
         self.fn, self.out_idx, self.target, self.options = fn, out_idx, target, options or {}
         self.kernels: dict = {}
+        self.frame_locals = frame_locals
+        self._eager = None  # None: not decided yet; False: a factory; else the EagerFunction
         self.__name__, self.__doc__, self.__wrapped__ = fn.__name__, fn.__doc__, fn
 
+    def eager(self):
+        if self._eager is None:
+            from tegula.jit.eager import EagerFunction, is_eager
+            self._eager = is_eager(self.fn) and EagerFunction(self.fn, self.frame_locals)
+            if self._eager and self.out_idx is not None:
+                raise ValueError(f"@tegula.jit(out_idx=...) on {self.fn.__name__}: an eager function declares its "
+                                 "outputs with T.empty instead")
+        return self._eager
+
+    def _compile(self, func, out_idx):
+        return compile_func(func, out_idx, self.target, self.options)
+
+    def compile(self, *args, **kwargs):
+        """The compiled kernel for these arguments (an eager function takes tensors or T.const keywords)."""
+        ef = self.eager()
+        return ef.compile(self._compile, *args, **kwargs) if ef else self(*args, **kwargs)
+
+    def par_compile(self, configs, **_ignored):
+        """Compile each configuration (a dict of keyword arguments, or a tuple of positional ones)."""
+        return [self.compile(*c) if isinstance(c, tuple) else self.compile(**c) for c in configs]
+
     def __call__(self, *args, **kwargs):
+        ef = self.eager()
+        if ef:
+            return ef(self._compile, *args, **kwargs)
         key = (_freeze(args), _freeze(kwargs))
         k = self.kernels.get(key)
         if k is None:
@@ -145,14 +172,25 @@ class JitFactory:
         return k
 
     def get_tir(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        ef = self.eager()
+        return ef.get_tir(*args, **kwargs) if ef else self.fn(*args, **kwargs)
+
+
+def _user_locals() -> dict:
+    """The local names of the frame that applied the decorator (an eager body's annotations may use them)."""
+    import sys
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "").startswith("tegula"):
+        f = f.f_back
+    return dict(f.f_locals) if f is not None and f.f_locals is not f.f_globals else {}
 
 
 def jit(fn=None, *, out_idx=None, target=None, **options):
     """``@tegula.jit(out_idx=...)``: see ``tegula.jit``'s docstring in tegula/__init__.py."""
+    frame_locals = _user_locals()
     if fn is None:
-        return lambda f: JitFactory(f, out_idx=out_idx, target=target, options=options)
-    return JitFactory(fn, out_idx=out_idx, target=target, options=options)
+        return lambda f: JitFactory(f, out_idx=out_idx, target=target, options=options, frame_locals=frame_locals)
+    return JitFactory(fn, out_idx=out_idx, target=target, options=options, frame_locals=frame_locals)
 
 
 from tegula._callable import make_module_callable  # noqa: E402

@@ -16,6 +16,8 @@ class Builder:
         self.loc: tuple | None = None
         self.in_kernel = 0
         self.counter = 0
+        self.eager: EagerState | None = None
+        self.symbol_ids: set[int] = set()  # T.dynamic / T.const symbols made while parsing: names alias them
 
     def emit(self, stmt: S.Stmt) -> None:
         if stmt.loc is None:
@@ -32,6 +34,17 @@ class Builder:
     def fresh(self, base: str) -> str:
         self.counter += 1
         return f"{base}{self.counter}"
+
+
+class EagerState:
+    """What the body of an eager @tegula.jit function declares. Phase 1 reads its declarations only: T.const gives
+    symbols, to be matched against the arguments' shapes; phase 2 parses it all with the constants' values."""
+
+    def __init__(self, phase: int, values: dict | None = None):
+        self.phase, self.values = phase, dict(values or {})
+        self.symbols: dict = {}   # T.const name -> Var (phase 1)
+        self.params: dict = {}    # parameter name -> Buffer (tensor) or Var (scalar), from annotations
+        self.outputs: list = []   # T.empty buffers, in order
 
 
 def current() -> Builder:

@@ -134,6 +134,64 @@ class Parser:
             _set_parser(prev_parser)
         return S.PrimFunc(fdef.name, params, body, loc=self.loc(fdef))
 
+    def parse_eager(self, state, runtime: list, compile_values: dict, signature_annotations: dict):
+        """Parse an eager @tegula.jit function: its body is the kernel function's body. ``runtime`` names the
+        parameters that are tensors or scalars of the kernel (declared by annotations in the signature or the
+        body); ``compile_values`` binds the others. Phase 1 (``state.phase == 1``) runs only the top-level
+        assignments and declarations. Returns the PrimFunc (parameters: the declared ones in signature order,
+        then the T.empty outputs) and the value of its ``return``."""
+        fdef = self.src.fdef
+        self.eager_runtime = list(runtime)
+        self.py.update(compile_values)
+        prev = B.activate(self.b)
+        prev_parser = _set_parser(self)
+        self.b.eager = state
+        ret = None
+        try:
+            self.b.loc = self.loc(fdef)
+            for name, ann in signature_annotations.items():
+                self.declare_param(name, ann, fdef)
+            if state.phase == 1:
+                for node in fdef.body:
+                    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                        try:
+                            self.stmt(node)
+                        except CompileError:
+                            pass  # a value only the full parse can compute; declarations do not need it
+            else:
+                try:
+                    self.body(fdef.body)
+                except _Return as r:
+                    ret = r.value
+            body = self.b.pop()
+        finally:
+            B.activate(prev)
+            _set_parser(prev_parser)
+        if state.phase == 2:
+            for n in runtime:
+                if n not in state.params:
+                    raise self.err(fdef, f"parameter '{n}' is never declared; annotate it in the body, e.g. "
+                                         f"`{n}: T.Tensor((M, N), T.float16)`")
+        params = [state.params[n] for n in runtime if n in state.params] + list(state.outputs)
+        return S.PrimFunc(fdef.name, params, body, loc=self.loc(fdef)), ret
+
+    def declare_param(self, name, ann, node):
+        """``A: T.Tensor(shape, dtype)`` or ``n: T.int32`` naming a parameter of an eager @tegula.jit function."""
+        if name not in self.eager_runtime:
+            raise self.err(node, f"'{name}' is annotated as a kernel parameter but is not a parameter of "
+                                 f"{self.src.fdef.name}")
+        if isinstance(ann, surface.TensorType):
+            obj = Buffer(name, ann.shape, ann.dtype, "global", self.loc(node))
+            obj.strides = ann.strides
+        else:
+            try:
+                obj = E.Var(name, dt.dtype(ann))
+            except TypeError:
+                raise self.err(node, f"parameter '{name}': unsupported annotation {ann!r}; expected T.Tensor(shape, "
+                                     "dtype) or a scalar dtype like T.int32") from None
+        self.b.eager.params[name] = obj
+        self.scopes[0][name] = obj
+
     def param(self, arg: ast.arg):
         if arg.annotation is None:
             raise self.err(arg, f"parameter '{arg.arg}' needs an annotation: T.Tensor(shape, dtype) or a scalar dtype")
@@ -237,6 +295,9 @@ class Parser:
             self.assign(target, value, node)
 
     def stmt_AnnAssign(self, node):
+        if node.value is None and self.b.eager is not None and isinstance(node.target, ast.Name):
+            self.declare_param(node.target.id, self.eval(node.annotation), node)
+            return
         if node.value is None:
             raise self.err(node, "a declaration without a value is not supported; write `x: T.float32 = 0`")
         value = self.eval(node.value)
@@ -281,6 +342,10 @@ class Parser:
             if getattr(value, "auto_name", False):
                 value.name, value.auto_name = name, False
             self.bind(name, value)
+            return
+        if isinstance(value, E.Var) and id(value) in self.b.symbol_ids and not (isinstance(cur, E.Var) and
+                                                                               cur.is_local):
+            self.bind(name, value)  # a symbolic dimension: the name is the symbol itself
             return
         if _is_runtime(value) or hasattr(value, "as_expr"):
             value = E.as_expr(value)
@@ -664,6 +729,11 @@ def _set_parser(p):
 
 def _current_parser():
     return _parser_state["current"]
+
+
+def parse_eager(fn, state, runtime, compile_values, signature_annotations, frame_locals=None):
+    """An eager @tegula.jit function -> (PrimFunc, returned value); see ``Parser.parse_eager``."""
+    return Parser(Source(fn, frame_locals)).parse_eager(state, runtime, compile_values, signature_annotations)
 
 
 def parse(fn, frame_locals: dict | None = None) -> S.PrimFunc:

@@ -51,14 +51,81 @@ class TensorType:
 Tensor = Buffer_ = TensorType
 
 
-def StridedTensor(shape, strides, dtype="float32"):  # noqa: N802 (TileLang's name)
-    """A global tensor parameter with explicit strides (in elements)."""
-    return TensorType(shape, dtype, strides=strides)
+class _StridedTensor:
+    """``T.StridedTensor(shape, strides, dtype)`` or ``T.StridedTensor[shape, strides, dtype]``: a global tensor
+    parameter with explicit strides (in elements)."""
+
+    def __call__(self, shape, strides, dtype="float32"):
+        return TensorType(shape, dtype, strides=strides)
+
+    def __getitem__(self, item):
+        return self(*item)
 
 
-def dynamic(name: str, dtype="int32") -> E.Var:
-    """A dimension bound from the arguments at call time (one compiled kernel serves every value)."""
-    return E.Var(name, dt.dtype(dtype))
+StridedTensor = _StridedTensor()
+
+
+def _names(names: str) -> list[str]:
+    return [n for n in names.replace(",", " ").split() if n]
+
+
+def dynamic(name: str, dtype="int32"):
+    """A dimension bound from the arguments at call time (one compiled kernel serves every value).
+    ``T.dynamic("M, N")`` gives one per name."""
+    vs = tuple(E.Var(n, dt.dtype(dtype)) for n in _names(name))
+    if not vs:
+        raise CompileError("T.dynamic needs a name")
+    _register_symbols(vs)
+    return vs[0] if len(vs) == 1 else vs
+
+
+def _register_symbols(vs):
+    from tegula.language.builder import _state
+    b = getattr(_state, "builder", None)
+    if b is not None:
+        b.symbol_ids.update(id(v) for v in vs)
+
+
+# eager @tegula.jit functions ---------------------------------------------------------------------
+
+def _eager_state(what: str):
+    st = getattr(current(), "eager", None)
+    if st is None:
+        raise CompileError(f"{what} is only meaningful in an eager @tegula.jit function (whose body is the kernel "
+                           "function's body, with tensor parameters annotated inside it)")
+    return st
+
+
+def const(names: str, dtype="int32"):
+    """``M, N = T.const("M, N")`` in an eager @tegula.jit function: compile-time dimensions, each taken from the
+    shape of a tensor argument whose annotation uses it directly (``A: T.Tensor((M, N), ...)``), or from a
+    keyword of the call (``f.compile(M=1024, ...)``). The kernel is specialised for their values."""
+    st = _eager_state("T.const")
+    out = []
+    for n in _names(names):
+        if st.phase == 1:
+            out.append(st.symbols.setdefault(n, E.Var(n, dt.dtype(dtype))))
+            _register_symbols(out[-1:])
+        elif n in st.values:
+            out.append(st.values[n])
+        else:
+            raise CompileError(f"T.const {n!r} has no value: annotate a tensor parameter with it as one of its "
+                               f"dimensions, or pass {n}=... to the call")
+    if not out:
+        raise CompileError("T.const needs a name")
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def empty(shape, dtype="float32"):
+    """``C = T.empty((M, N), dtype)`` in an eager @tegula.jit function: an output tensor the call allocates and
+    returns (when the function returns it). Its contents start undefined."""
+    st = _eager_state("T.empty")
+    b = current()
+    shape = (shape,) if isinstance(shape, (int, E.Expr)) else tuple(shape)
+    buf = Buffer(b.fresh("out_"), shape, dt.dtype(dtype), "global", b.loc)
+    buf.auto_name = True
+    st.outputs.append(buf)
+    return buf
 
 
 symbolic = dynamic

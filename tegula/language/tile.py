@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tegula.errors import CompileError
+from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.buffer import Buffer, Region, as_region
@@ -160,3 +161,38 @@ def _atomic_add_vector(n):
 
 
 atomic_addx2, atomic_addx4 = _atomic_add_vector(2), _atomic_add_vector(4)
+
+
+def im2col(img, col, nhw_step, c_step, kernel, stride, dilation, pad, eviction_policy=None, **_hints):
+    """Fill ``col`` (a 2-D tile: pixels x patch elements) with one tile of the im2col matrix of ``img`` (N, H, W, C)
+    for a ``kernel`` x ``kernel`` convolution: row i is output pixel ``nhw_step * rows + i`` (over N, OH, OW),
+    column j is patch element ``c_step * cols + j`` (over KH, KW, C, C fastest). Taps in the padding, and pixels
+    past the last image, read 0."""
+    b = kernel_builder()
+    src, dst = as_region(img), as_region(col)
+    if src.buffer.ndim != 4 or not src.is_full():
+        raise CompileError("T.im2col: the image must be a whole 4-D (N, H, W, C) tensor")
+    shape = _const_shape(dst, "T.im2col")
+    if len(shape) != 2:
+        raise CompileError(f"T.im2col: the column tile must be 2-D, got {_shape_str(shape)}")
+    rows, cols = shape
+    _, H, W, C = src.buffer.shape
+    OH = (H + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    OW = (W + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+    i, j = E.Var("i", dt.int32), E.Var("j", dt.int32)
+    p, k = nhw_step * rows + i, c_step * cols + j
+    n, oh, ow = p // (OH * OW), p % (OH * OW) // OW, p % OW
+    c, kw, kh = k % C, k // C % kernel, k // (C * kernel)
+    h, w = oh * stride + kh * dilation - pad, ow * stride + kw * dilation - pad
+    ok = E.logical("and", E.logical("and", h >= 0, h < H), E.logical("and", w >= 0, w < W))
+    value = E.select(ok, E.Load(src.buffer, (n, h, w, c)), E.cast(E.as_expr(0), src.dtype))
+    kept = [d for d, keep in enumerate(dst.keep) if keep]
+    idx = list(dst.starts)
+    idx[kept[0]], idx[kept[1]] = E.binop("+", dst.starts[kept[0]], i), E.binop("+", dst.starts[kept[1]], j)
+    store = S.Store(dst.buffer, tuple(E.as_expr(x) for x in idx), E.cast(value, dst.dtype), loc=b.loc)
+    zero = E.Const(0, dt.int32)
+    inner = S.For(j, zero, E.Const(cols, dt.int32), "parallel", store, loc=b.loc)
+    b.emit(S.For(i, zero, E.Const(rows, dt.int32), "parallel", inner, loc=b.loc))
+
+
+c2d_im2col = im2col
