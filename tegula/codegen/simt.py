@@ -21,8 +21,8 @@ import math
 from tegula.codegen.cfamily import STORAGE, SUFFIX, CFamilyEmitter, reg_type
 from tegula.errors import CompileError
 from tegula.ir import expr as E
-from tegula.ir import stmt as S
 from tegula.ir import simt as X
+from tegula.ir import stmt as S
 
 LAUNCH_TAG = "// tegula-launch "
 _PY_OPS = {"+": "+", "-": "-", "*": "*", "//": "//", "%": "%", "<": "<", "<=": "<=", ">": ">", ">=": ">=",

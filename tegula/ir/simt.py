@@ -57,7 +57,8 @@ class WarpAllReduce(S.Stmt):
     loc: tuple | None = None
 
     def ir_text(self) -> str:
-        return f"{self.var.name} = warp_allreduce_{self.kind}({self.var.name}, stride={self.stride}, count={self.count})"
+        v = self.var.name
+        return f"{v} = warp_allreduce_{self.kind}({v}, stride={self.stride}, count={self.count})"
 
 
 @dataclass(eq=False)

@@ -25,12 +25,20 @@ import math
 from tegula.errors import CompileError
 from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
-from tegula.ir import stmt as S
 from tegula.ir import simt as X
+from tegula.ir import stmt as S
 from tegula.ir.buffer import Buffer
 from tegula.passes import rewrite
-from tegula.passes.infer_layouts import (collect_nest, derive, gemm_layout, gemm_mnk, mma_layout, reduction_threads,
-                                         tile_dims, uses_mma)
+from tegula.passes.infer_layouts import (
+    collect_nest,
+    derive,
+    gemm_layout,
+    gemm_mnk,
+    mma_layout,
+    reduction_threads,
+    tile_dims,
+    uses_mma,
+)
 
 _KIND = {"+": "sum", "max": "max", "min": "min"}
 

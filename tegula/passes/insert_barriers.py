@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from tegula.ir import expr as E
-from tegula.ir import stmt as S
 from tegula.ir import simt as X
+from tegula.ir import stmt as S
 from tegula.passes import rewrite
 
 _MEMORY = ("shared", "global")

@@ -100,7 +100,7 @@ def test_emitted_mma_nest_computes_a_times_b(M, N, K, threads, trans_A, trans_B,
     tdt = getattr(torch, dtype)
     a = torch.randn((K, M) if trans_A else (M, K)).to(tdt)
     b = torch.randn((N, K) if trans_B else (K, N)).to(tdt)
-    bits = {"a": a.view(torch.int16).numpy().view(np.uint16).ravel(), "b": b.view(torch.int16).numpy().view(np.uint16).ravel()}
+    bits = {name: t.view(torch.int16).numpy().view(np.uint16).ravel() for name, t in (("a", a), ("b", b))}
 
     def to_float(t):
         return torch.from_numpy(t.astype(np.int16)).view(tdt).float().numpy()
