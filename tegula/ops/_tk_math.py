@@ -32,8 +32,9 @@ def fma_f32(a, b, c):
 
 @T.macro
 def exp_f32(d):
-    qf = (d * _R_LN2 + _RINT_MAGIC) - _RINT_MAGIC
-    q = T.cast(T.clamp(qf, -256.0, 256.0), "int32")
+    t = d * _R_LN2 + _RINT_MAGIC  # the nearest integer to d / ln 2 sits in t's low mantissa bits
+    qf = t - _RINT_MAGIC
+    q = T.reinterpret(t, "int32") - 0x4B400000  # (a bit read, not a float -> int conversion: stays vectorised)
     s = fma_f32(qf, -_L2U, d)
     s = fma_f32(qf, -_L2L, s)
     u = fma_f32(T.cast(_EXP_POLY[0], "float32"), s, _EXP_POLY[1])

@@ -14,8 +14,11 @@ from tegula import config
 from tegula.errors import CompileError
 
 PRELUDE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "codegen", "prelude")
+# -fno-trapping-math: floating-point exceptions are not part of a kernel's meaning, and under gcc's default a float
+# op that only one side of a select needs is not if-converted, which leaves the whole loop scalar (no value changes:
+# rounding and contraction stay IEEE's)
 BASE_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fwrapv", "-ffp-contract=off",
-              "-fno-math-errno", "-fvisibility=hidden"]
+              "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden"]
 _CTYPES = {"p": ctypes.c_void_p, "bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16,
            "int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint8": ctypes.c_uint8, "uint16": ctypes.c_uint16,
            "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64, "float32": ctypes.c_float,

@@ -1,0 +1,298 @@
+"""TileKernels' ops in tegula.ops (quant, norm, rope, moe) against torch eager and torch.compile, and the machine's
+copy bandwidth.
+
+    python -m bench.tile_kernels [--gib 1.0] [--reps 5] [--no-compile] [--only per_token,rmsnorm,...]
+
+Every memory-bound row reads a working set of about --gib GiB (well beyond the last-level cache). tegula's rows call
+the ops' compiled kernels with outputs allocated once and reused; torch eager and compiled functions return fresh
+tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per second; "of copy BW" divides it by the
+plain OpenMP copy measured in this process. The MoE routing rows are latency rows (a few MB), where ratios matter.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import do_bench, measure_bandwidth, print_table, try_compile
+from tegula.ops import _moe_kernels as MK
+from tegula.ops import _quant_kernels as QK
+from tegula.ops import _swiglu, _tk, moe, norm
+from tegula.ops.rope import rope_kernel
+
+# torch peers: the plain eager formulation of each op ----------------------------------------------------------------
+
+
+def per_token_cast_ref(x, group=128, max_q=448.0):
+    xf = x.float().view(x.shape[0], -1, group)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    mx = torch.full_like(amax, max_q)
+    return (xf * (mx / amax)).to(torch.float8_e4m3fn).view(x.shape), (amax / mx).squeeze(-1)
+
+
+def per_token_cast_ue8m0_ref(x, group=128):
+    xf = x.float().view(x.shape[0], -1, group)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    sf = amax / 448.0
+    e = torch.ceil(torch.log2(sf))
+    q = (xf * torch.exp2(-e)).to(torch.float8_e4m3fn).view(x.shape)
+    return q, (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def per_token_cast_fp4_ref(x, group=32):
+    xf = x.float().view(x.shape[0], -1, group)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=6.0 * 2.0 ** -126)
+    v = (xf * (6.0 / amax)).view(x.shape[0], -1)
+    a = v.abs()
+    rne = torch.round
+    mag = torch.where(a < 2, rne(a * 2), torch.where(a < 4, 4 + rne(a - 2), 6 + rne((a - 4) / 2)))
+    codes = (mag.clamp(max=7).to(torch.uint8) | ((v < 0).to(torch.uint8) << 3)).view(x.shape[0], -1, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int8), (amax / 6.0).squeeze(-1)
+
+
+def per_block_cast_ref(x, block=128):
+    t, h = x.shape
+    xf = x.float().view(t // block, block, h // block, block)
+    amax = xf.abs().amax((1, 3), keepdim=True).clamp(min=1e-4)
+    return (xf * (448.0 / amax)).to(torch.float8_e4m3fn).view(t, h), (amax / 448.0).view(t // block, h // block)
+
+
+def per_channel_cast_ref(x, block=128):
+    t, h = x.shape
+    xf = x.float().view(t // block, block, h)
+    amax = xf.abs().amax(1, keepdim=True).clamp(min=1e-4)
+    return (xf * (448.0 / amax)).to(torch.float8_e4m3fn).view(t, h), (amax / 448.0).view(t // block, h)
+
+
+def cast_back_ref(q, sf, group=128):
+    return (q.float().view(q.shape[0], -1, group) * sf.unsqueeze(-1)).view(q.shape).bfloat16()
+
+
+def e5m6_ref(x):
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    h = (xf * (65024.0 / amax)).half().view(torch.int16).to(torch.int32) >> 4  # (round-to-nearest float16)
+    h = (h & 0xFFF).view(x.shape[0], -1, 8)
+    w0 = (h[..., 0] << 20) | (h[..., 1] << 8) | (h[..., 2] >> 4)
+    w1 = (h[..., 2] << 28) | (h[..., 3] << 16) | (h[..., 4] << 4) | (h[..., 5] >> 8)
+    w2 = (h[..., 5] << 24) | (h[..., 6] << 12) | h[..., 7]
+    return torch.stack([w0, w1, w2], -1).view(x.shape[0], -1), amax / 65024.0
+
+
+def rmsnorm_ref(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * w.float() * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rmsnorm_cast_ref(x, w, eps=1e-6):
+    xf = x.float()
+    return per_token_cast_ref(xf * w.float() * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def swiglu_cast_ref(x):
+    h = x.shape[1] // 2
+    return per_token_cast_ref(F.silu(x[:, :h].float()) * x[:, h:].float())
+
+
+def rope_ref(q, cs, pos):
+    r2 = cs.shape[1] // 2
+    c, s = cs[pos, :r2].unsqueeze(1), cs[pos, r2:].unsqueeze(1)
+    x1, x2 = q[..., :r2].float(), q[..., r2:2 * r2].float()
+    q[..., :r2], q[..., r2:2 * r2] = (x1 * c - x2 * s).to(q.dtype), (x2 * c + x1 * s).to(q.dtype)
+    return q
+
+
+def topk_gate_ref(s, k):
+    return torch.sort(s, dim=1, descending=True, stable=True)[1][:, :k]
+
+
+def top2_sum_gate_ref(logits, bias, k=8, ng=8, ntg=4, scale=2.5):
+    s = logits.sigmoid()
+    b = (s + bias).view(logits.shape[0], ng, -1)
+    gs = b.topk(2, -1).values.sum(-1)
+    keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(ntg, -1).indices, True)
+    b = b.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(logits.shape)
+    idx = b.topk(k, -1).indices
+    w = s.gather(1, idx)
+    return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+def fused_mapping_ref(idx, e, a):
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat >= 0], minlength=e)
+    aligned = (counts + a - 1) // a * a
+    start = torch.cumsum(aligned, 0) - aligned
+    sorted_e = flat[order]
+    valid = sorted_e >= 0
+    rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_e.clamp(min=0)] - (~valid).sum()
+    pos = start[sorted_e.clamp(min=0)] + rank
+    p2e = torch.full((int(aligned.sum()),), -1, dtype=torch.int32)
+    p2e[pos[valid]] = sorted_e[valid].int()
+    ttp = torch.full_like(flat, -1, dtype=torch.int32)
+    ttp[order[valid]] = pos[valid].int()
+    return p2e, ttp.view(idx.shape)
+
+
+def expand_ref(x, ttp, n_pos):
+    out = x.new_zeros(n_pos, x.shape[1])
+    valid = ttp.view(-1) >= 0
+    out[ttp.view(-1)[valid].long()] = x.repeat_interleave(ttp.shape[1], 0)[valid]
+    return out
+
+
+def reduce_ref(xe, w, ttp):
+    rows = xe[ttp.clamp(min=0).long()].float() * (w * (ttp >= 0)).unsqueeze(-1)
+    return rows.sum(1).to(xe.dtype)
+
+
+# the table ---------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="working set read per memory-bound row, GiB (default 1)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers (slow to build)")
+    p.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    nbytes = int(args.gib * (1 << 30))
+    bw = measure_bandwidth(nbytes)
+    peak = bw["stream_copy"]
+    print(f"measured: plain copy {peak:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
+          f"({args.gib} GiB source); torch threads {torch.get_num_threads()}")
+    comp = (lambda f: None) if args.no_compile else try_compile
+    only = [s for s in args.only.split(",") if s]
+    rows = []
+
+    def bench(name, ours, eager, compiled, moved_bytes):
+        if only and not any(name.startswith(o) for o in only):
+            return
+        t_ours = do_bench(ours, rep=args.reps)
+        t_eager = do_bench(eager, rep=args.reps)
+        t_comp = None
+        if compiled is not None:
+            try:
+                compiled()
+                t_comp = do_bench(compiled, rep=args.reps)
+            except Exception as e:  # inductor failing here is a fact to report, not a crash
+                print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
+        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, gbs / peak, t_eager.median_ms,
+                     t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,
+                     "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms])
+        print(f"  {name}: {t_ours.median_ms:.1f} ms, {gbs:.2f} GB/s", flush=True)
+
+    def wrap(f, *a):
+        cf = comp(f)
+        return None if cf is None else (lambda: cf(*a))
+
+    H = 7168
+    T_ = max(128, nbytes // 2 // H // 128 * 128)
+    x = torch.randn(T_, H).bfloat16()
+    dummy = torch.zeros(1, 1, dtype=torch.int32)
+    q8 = torch.empty(T_, H, dtype=torch.float8_e4m3fn)
+    sf = torch.empty(T_, H // 128, dtype=torch.float32)
+    k = _tk.kernel(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, 2048)
+    bench("per_token_cast bf16->e4m3 /128", lambda: k(x, dummy, q8, sf.view(torch.int32), H, 0),
+          lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
+    sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
+    bench("per_token_cast ue8m0 packed", lambda: k(x, dummy, q8, sfk, H, 3),
+          lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
+    q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
+    sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
+    k4 = _tk.kernel(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, 2048)
+    bench("per_token_cast bf16->e2m1 /32", lambda: k4(x, dummy, q4, sf32.view(torch.int32), H, 0),
+          lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
+    sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
+    kb = _tk.kernel(QK.per_block_cast, "bfloat16", "e4m3", 128, 128, "cast")
+    bench("per_block_cast 128x128", lambda: kb(x, q8, sfb.view(torch.int32), H, 0),
+          lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
+    kc = _tk.kernel(QK.per_channel_cast, "bfloat16")
+    sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
+    bench("per_channel_cast 128x1", lambda: kc(x, q8, sfc.view(torch.int32), 0),
+          lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)
+    e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
+    sf1 = torch.empty(T_, 1, dtype=torch.float32)
+    ke = _tk.kernel(QK.per_row_cast, "bfloat16", "e5m6")
+    bench("per_token_cast_to_e5m6", lambda: ke(x, e5, sf1.view(torch.int32), H, 0),
+          lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5)
+    qq, ss = per_token_cast_ref(x)
+    y = torch.empty(T_, H, dtype=torch.bfloat16)
+    kbk = _tk.kernel(QK.cast_back, "e4m3", "bfloat16", 1, 128, False, 2048)
+    bench("cast_back e4m3->bf16 /128", lambda: kbk(qq, ss.view(torch.int32), y, H),
+          lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss), T_ * H * 3)
+    qq = q4 = e5 = None  # free them (the closures above have run)
+
+    w = torch.randn(H).bfloat16()
+    krn = _tk.kernel(norm.rmsnorm_kernel, "bfloat16", "bfloat16")
+    bench("rmsnorm bf16", lambda: krn(x, w, y, 1e-6), lambda: rmsnorm_ref(x, w), wrap(rmsnorm_ref, x, w),
+          T_ * H * 4)
+    krc = _tk.kernel(norm.rmsnorm_cast_kernel, "bfloat16", "bfloat16", "e4m3", 128)
+    bench("rmsnorm+per_token_cast", lambda: krc(x, w, q8, sf.view(torch.int32), 1e-6, 0),
+          lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w), T_ * H * 3 + sf.numel() * 4)
+    y = None
+
+    xs = x.view(T_ * H // 4096, 4096)  # SwiGLU over hidden 2048: x (tokens, 4096)
+    n2 = xs.shape[0]
+    qs = torch.empty(n2, 2048, dtype=torch.float8_e4m3fn)
+    sfs = torch.empty(n2, 16, dtype=torch.float32)
+    i32, f32, i64 = torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.zeros(3, dtype=torch.int64)
+    ksw = _tk.kernel(_swiglu.swiglu_forward, 2048, 128, "bfloat16", False, False, False, False)
+    bench("swiglu+per_token_cast", lambda: ksw(xs, qs, sfs.view(torch.int32), i32, f32, i32, i64, 0.0, 1e-4, 0),
+          lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4)
+    qs = None
+
+    heads, d = 16, 128  # q (tokens, 16, 128) bf16, NeoX over the first 64 dims
+    nq = T_ * H // (heads * d)
+    q = x.view(nq, heads, d)
+    cs = torch.randn(8192, 64)
+    pos = torch.randint(0, 8192, (nq,))
+    kr = _tk.kernel(rope_kernel, "bfloat16", "float32", d, 64, False, False, True)
+    pos32 = pos.int()
+    bench("rope neox in place", lambda: kr(q, pos32, cs, nq, 0), lambda: rope_ref(q, cs, pos),
+          wrap(rope_ref, q, cs, pos), nq * heads * 64 * 2 * 2)
+    x = q8 = sf = None
+
+    # MoE routing: latency rows (inputs of a few MB)
+    n, E, K = 16384, 256, 8
+    scores = torch.randn(n, E)
+    ti = torch.empty(n, K, dtype=torch.int64)
+    kg = _tk.kernel(MK.topk_gate, E, K)
+    bench("moe topk_gate 256/8", lambda: kg(scores, ti), lambda: topk_gate_ref(scores, K),
+          wrap(topk_gate_ref, scores, K), scores.numel() * 4 + ti.numel() * 8)
+    bias = torch.randn(E) * 0.1
+    bench("moe top2_sum_gate 8/4 groups", lambda: moe.top2_sum_gate(scores, bias, K, 4, 8, False, 0, 2.5, 0, 1, 0, 1,
+                                                                    "sigmoid"),
+          lambda: top2_sum_gate_ref(scores, bias), wrap(top2_sum_gate_ref, scores, bias), scores.numel() * 4)
+    tw = torch.rand(n, K)
+    bench("moe normalize_weight", lambda: moe.normalize_weight(tw), lambda: (tw.sum(-1) + 1e-20, tw / (tw.sum(
+        -1, keepdim=True) + 1e-20)), None, tw.numel() * 8)
+    idx = topk_gate_ref(scores, K).contiguous()
+    bench("moe get_fused_mapping", lambda: moe.get_fused_mapping(idx, E, 0, 128),
+          lambda: fused_mapping_ref(idx, E, 128), None, idx.numel() * 12)
+    p2e, _, _, ttp, *_ = moe.get_fused_mapping(idx, E, 0, 128)
+    hx = 2048
+    xm = torch.randn(n // 4, hx).bfloat16()
+    ttp4 = ttp[:n // 4].contiguous()
+    xe = torch.empty(p2e.shape[0], hx, dtype=torch.bfloat16)
+    kx = _tk.kernel(MK.expand_rows)
+    bench("moe expand_to_fused", lambda: kx(xm.view(torch.uint8), ttp4, p2e, xe.view(torch.uint8)),
+          lambda: expand_ref(xm, ttp4, p2e.shape[0]), None, xm.numel() * 2 * (K + 1))
+    red = torch.empty(n // 4, hx, dtype=torch.bfloat16)
+    kred = _tk.kernel(MK.reduce_fused, "bfloat16", "bfloat16", True, False, False)
+    one = torch.ones(1)
+    tw4 = tw[:n // 4].contiguous()
+    bench("moe reduce_fused", lambda: kred(xe, tw4.view(-1), ttp4, red, one, one),
+          lambda: reduce_ref(xe, tw4, ttp4), wrap(reduce_ref, xe, tw4, ttp4), red.numel() * 2 * (K + 1))
+
+    print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
+                f"{torch.get_num_threads()} threads (medians of >= {args.reps} runs)",
+                ["op", "tegula ms", "spread", "GB/s", "of copy BW", "eager ms", "eager/tegula", "compile ms",
+                 "compile/tegula"], rows)
+    print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
+
+
+if __name__ == "__main__":
+    main()
