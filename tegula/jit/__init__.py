@@ -152,6 +152,10 @@ class JitFactory:
         ef = self.eager()
         return ef.compile(self._compile, *args, **kwargs) if ef else self(*args, **kwargs)
 
+    def get_kernel_source(self, *args, **kwargs) -> str:
+        """The generated source of the kernel these arguments compile to."""
+        return self.compile(*args, **kwargs).get_kernel_source()
+
     def par_compile(self, configs, **_ignored):
         """Compile each configuration (a dict of keyword arguments, or a tuple of positional ones)."""
         return [self.compile(*c) if isinstance(c, tuple) else self.compile(**c) for c in configs]

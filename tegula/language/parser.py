@@ -645,6 +645,44 @@ class Parser:
                 self.scopes = saved
         return fn
 
+    def comprehension(self, node, make):
+        """A comprehension over compile-time iterables, evaluated while parsing (``sum(n // 4 for n in sizes)``)."""
+        out = []
+
+        def loop(k):
+            if k == len(node.generators):
+                out.append(make())
+                return
+            g = node.generators[k]
+            if isinstance(g.iter, ast.Call) and self.eval(g.iter.func) is builtins.range:
+                it = range(*(_val(self.eval(a)) for a in g.iter.args))  # a runtime bound fails here, in Python
+            else:
+                it = self.eval(g.iter)
+            if _is_runtime(it) or isinstance(it, (Buffer, Region, surface.LoopSpec)):
+                raise self.err(node, "a comprehension in a kernel iterates over compile-time values only")
+            for value in it:
+                self.assign(g.target, value, node)
+                if all(_truthy(self, c, node) for c in g.ifs):
+                    loop(k + 1)
+
+        self.scopes.append({})
+        try:
+            loop(0)
+        finally:
+            self.scopes.pop()
+        return out
+
+    def expr_ListComp(self, node):
+        return self.comprehension(node, lambda: self.eval(node.elt))
+
+    expr_GeneratorExp = expr_ListComp
+
+    def expr_SetComp(self, node):
+        return set(self.comprehension(node, lambda: self.eval(node.elt)))
+
+    def expr_DictComp(self, node):
+        return dict(self.comprehension(node, lambda: (self.eval(node.key), self.eval(node.value))))
+
     def expr_JoinedStr(self, node):
         return "".join(str(self.eval(v)) if not isinstance(v, ast.Constant) else v.value for v in node.values)
 
@@ -670,6 +708,13 @@ class Parser:
         finally:
             self.src, self.py, self.scopes = saved
         return None
+
+
+def _truthy(parser, cond_node, node) -> bool:
+    c = _val(parser.eval(cond_node))
+    if _is_runtime(c):
+        raise parser.err(node, "a comprehension's condition must be a compile-time value")
+    return bool(c)
 
 
 class _VarRef:

@@ -40,6 +40,7 @@ def test_matmul_shapes_from_arguments(target):
     torch.testing.assert_close(k(a, b).float(), a.float() @ b.float(), rtol=1e-2, atol=1e-2)
     assert matmul(a, b) is not None and len(matmul.eager().kernels) == 2  # the first is reused
     assert "T.const" not in matmul.get_tir(a, b).script()
+    assert matmul.get_kernel_source(a, b) == matmul.compile(a, b).get_kernel_source()
 
 
 def test_dynamic_dims_one_kernel_and_macro_body(target):

@@ -177,3 +177,21 @@ def test_atomic_addx4_adds_four_consecutive_values(target):
     src, acc = torch.randn(4, 16), torch.ones(8, 16)
     tegula.compile(main, target=target)(src, acc)
     assert torch.equal(acc, 1 + torch.cat([src, src]))
+
+
+def test_comprehensions_over_compile_time_values(target):
+    sizes = [5, 9, 13]
+
+    @T.prim_func
+    def main(A: T.Tensor((8,), "int32")):
+        with T.Kernel(1):
+            blocks = sum((n + 3) // 4 for n in sizes)
+            offsets = [sum(sizes[:k]) for k in range(len(sizes)) if k > 0]
+            table = {n: n * 2 for n in sizes}
+            A[0] = blocks
+            A[1] = offsets[0] + offsets[1]
+            A[2] = table[9] + len({n % 2 for n in sizes})
+
+    a = torch.zeros(8, dtype=torch.int32)
+    tegula.compile(main, target=target)(a)
+    assert a[:3].tolist() == [2 + 3 + 4, 5 + 14, 18 + 1]
