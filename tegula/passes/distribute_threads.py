@@ -137,8 +137,9 @@ class Distributor:
             return inner if cn == self.T else S.If(E.compare("<", self.tid, total), inner, loc=loc)
         k = E.Var("k", dt.int32)
         trips = E.binop("//", E.binop("+", total, self.T - 1), self.T)
+        whole = cn is not None and cn % self.T == 0  # every trip has work for every thread: no test
         step = S.Seq([S.Assign(fv, E.binop("+", E.binop("*", k, self.T), self.tid), True, loc=loc),
-                      S.If(E.compare("<", fv, total), body, loc=loc)], loc=loc)
+                      body if whole else S.If(E.compare("<", fv, total), body, loc=loc)], loc=loc)
         return S.For(k, _i32(0), trips, "serial", step, loc=loc)
 
     def strided(self, n) -> S.Stmt:
