@@ -247,6 +247,14 @@ class Parser:
     def stmt_Pass(self, node):
         pass
 
+    def stmt_Assert(self, node):
+        """``assert cond, msg``: checked while compiling when cond is a compile-time value; a runtime condition is
+        an assumption of the kernel, not checked (as T.device_assert)."""
+        cond = _val(self.eval(node.test))
+        if not _is_runtime(cond) and not cond:
+            msg = self.eval(node.msg) if node.msg is not None else ast.unparse(node.test)
+            raise self.err(node, f"assertion failed: {msg}")
+
     def stmt_Return(self, node):
         raise _Return(None if node.value is None else self.eval(node.value))
 

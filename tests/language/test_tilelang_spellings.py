@@ -195,3 +195,18 @@ def test_comprehensions_over_compile_time_values(target):
     a = torch.zeros(8, dtype=torch.int32)
     tegula.compile(main, target=target)(a)
     assert a[:3].tolist() == [2 + 3 + 4, 5 + 14, 18 + 1]
+
+
+def test_assert_on_compile_time_values():
+    def make(n):
+        @T.prim_func
+        def main(A: T.Tensor((n,), "float32")):
+            assert n % 4 == 0, f"n={n} must be a multiple of 4"
+            with T.Kernel(1):
+                assert A[0] >= 0  # a runtime condition: an assumption, not checked
+                A[0] = 1.0
+        return main
+
+    make(8)
+    with pytest.raises(tegula.CompileError, match="n=6 must be a multiple of 4"):
+        make(6)
