@@ -67,16 +67,25 @@ class AutoTuner:
         return any(k in given for k in cfgs[0])
 
     def __call__(self, *args, **kwargs):
+        """The fastest kernel for these arguments; on an eager @tegula.jit function (which takes tensors and
+        runs), the call runs it with the fastest configuration."""
+        if not self.factory.eager():
+            return self.compile(*args, **kwargs)
+        kernel = self.compile(*args, **kwargs)
+        return self.factory(*args, **kwargs, **(getattr(kernel, "config", None) or {}))
+
+    def compile(self, *args, **kwargs):
+        """The chosen kernel for these arguments, tuned on first use (TileLang's ``tuned.compile(...)``)."""
         cfgs = self.configs(*args, **kwargs)
         if self._given(args, kwargs, cfgs):
-            return self.factory(*args, **kwargs)
-        key = self._key(args, kwargs, cfgs)
+            return self.factory.compile(*args, **kwargs)
+        key = self._key(_shapes(args), _shapes(kwargs), cfgs)
         if key in self.best:
             return self.best[key]
         path = self._path(key)
         chosen = _read_choice(path, cfgs)
         if chosen is not None:
-            kernel = self.factory(*args, **kwargs, **chosen["config"])
+            kernel = self.factory.compile(*args, **kwargs, **chosen["config"])
             kernel.config, kernel.latency = chosen["config"], chosen["latency_ms"]
             self.best[key] = kernel
             return kernel
@@ -95,7 +104,7 @@ class AutoTuner:
         name = self.factory.__name__
         for n, cfg in enumerate(cfgs, 1):
             try:
-                kernel = self.factory(*args, **kwargs, **cfg)
+                kernel = self.factory.compile(*args, **kwargs, **cfg)
                 if inputs is None:
                     inputs = Profiler(kernel, self.dims).inputs()
                 ms = do_bench(lambda: kernel(*inputs), warmup=self.warmup, rep=self.rep).median_ms
@@ -114,6 +123,17 @@ class AutoTuner:
         kernel, cfg = best
         kernel.config, kernel.latency = cfg, best_ms
         return kernel
+
+
+def _shapes(x):
+    """Arguments with tensors replaced by their shape and dtype (what a tuned choice depends on)."""
+    if isinstance(x, dict):
+        return {k: _shapes(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shapes(v) for v in x)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return ("tensor", tuple(x.shape), str(x.dtype))
+    return x
 
 
 def _read_choice(path: str, cfgs: list[dict]):

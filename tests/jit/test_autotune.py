@@ -65,3 +65,24 @@ def test_autotune_is_skipped_when_the_call_fixes_a_tuned_parameter(tmp_path, mon
     assert torch.equal(k(a), a * 2)
     scale(64, 8)  # positionally too
     assert calls == [16, 8]
+
+
+def test_autotune_over_an_eager_function(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEGULA_CACHE_DIR", str(tmp_path))
+
+    @tegula.autotune(configs=[{"block": 8}, {"block": 16}], warmup=1, rep=2, verbose=False)
+    @tegula.jit(target="c")
+    def double(A, block=8):
+        N = T.const("N")
+        A: T.Tensor((N,), "float32")
+        B = T.empty((N,), "float32")
+        with T.Kernel(T.ceildiv(N, block)) as bx:
+            for i in T.Parallel(block):
+                B[bx * block + i] = A[bx * block + i] * 2.0
+        return B
+
+    a = torch.randn(64)
+    assert torch.equal(double(a), a * 2)  # tuned on the arguments' shapes, then run
+    k = double.compile(N=64)
+    assert k.config in ({"block": 8}, {"block": 16}) and torch.equal(k(a), a * 2)
+    assert torch.equal(double.compile(a, block=16)(a), a * 2)  # a fixed parameter: no tuning
