@@ -30,6 +30,7 @@ from tegula.language.surface import (  # noqa: F401
     Kernel,
     Layout,
     Parallel,
+    Persistent,
     Pipelined,
     StridedTensor,
     Tensor,

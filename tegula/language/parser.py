@@ -470,6 +470,9 @@ class Parser:
             return
         t = node.target
         names = [e for e in t.elts] if isinstance(t, (ast.Tuple, ast.List)) else [t]
+        if spec.coords is not None:
+            self.coords_loop(node, spec, names)
+            return
         if len(names) != len(spec.ranges) or not all(isinstance(n, ast.Name) for n in names):
             raise self.err(node, f"the loop binds {len(names)} names but iterates over {len(spec.ranges)} dims")
         loops = []
@@ -491,6 +494,25 @@ class Parser:
             body = S.For(var, E.cast(E.as_expr(0), dt.int32), E.cast(E.as_expr(extent), dt.int32), spec.kind,
                          body, 1, dict(spec.annotations), loc=self.loc(node))
         self.b.emit(body)
+
+    def coords_loop(self, node, spec, names):
+        """A loop whose names are computed from one loop variable, under a guard (T.Persistent)."""
+        if len(names) != spec.n_names or not all(isinstance(n, ast.Name) for n in names):
+            raise self.err(node, f"the loop binds {len(names)} names but iterates over {spec.n_names} dims")
+        start, extent, _ = spec.ranges[0]
+        var = E.Var("w", dt.int32)
+        values, guard = spec.coords(var)
+        self.scopes.append({})
+        self.b.push()
+        try:
+            for n, v in zip(names, values):
+                self.bind(n.id, v)
+            self.body(node.body)
+        finally:
+            self.scopes.pop()
+        body = S.If(guard, self.b.pop(), loc=self.loc(node))
+        self.b.emit(S.For(var, E.cast(E.as_expr(start), dt.int32), E.cast(E.as_expr(extent), dt.int32), spec.kind,
+                          body, 1, dict(spec.annotations), loc=self.loc(node)))
 
     def stmt_FunctionDef(self, node):
         raise self.err(node, "nested function definitions are not supported inside a kernel; define a @T.macro "

@@ -214,10 +214,13 @@ def alloc_var(dtype, init=None, scope="local.var"):
 # loops -----------------------------------------------------------------------------------------
 
 class LoopSpec:
-    """What a ``for`` iterates over: one (start, extent, step) per loop variable."""
+    """What a ``for`` iterates over: one (start, extent, step) per loop variable. With ``coords``, one loop
+    runs over ``ranges[0]`` and the ``n_names`` names the ``for`` binds are ``coords(var)[0]``, the body running
+    where ``coords(var)[1]`` holds."""
 
-    def __init__(self, kind: str, ranges: list, annotations=None):
+    def __init__(self, kind: str, ranges: list, annotations=None, coords=None, n_names=None):
         self.kind, self.ranges, self.annotations = kind, ranges, annotations or {}
+        self.coords, self.n_names = coords, n_names
 
     def __iter__(self):
         raise CompileError("T.Parallel / T.serial / T.Pipelined ... can only be iterated by a `for` in a kernel")
@@ -258,6 +261,29 @@ def Parallel(*extents, coalesced_width=None, loop_layout=None) -> LoopSpec:
     if not extents:
         raise CompileError("T.Parallel needs at least one extent")
     return LoopSpec("parallel", [_range("parallel", (e,)).ranges[0] for e in extents])
+
+
+def Persistent(domain, wave_size, index, group_size=8) -> LoopSpec:  # noqa: N802 (TileLang's name)
+    """``for bx, by in T.Persistent([Mb, Nb], wave_size, index)``: the tiles of ``domain`` that block ``index`` of a
+    wave of ``wave_size`` blocks handles, one per iteration: tile ``w * wave_size + index`` in an order that walks
+    the last dimension in panels of ``group_size`` (L2-friendly). Every tile is visited once over the wave."""
+    domain = list(domain)
+    last = domain[-1]
+    g = max(1, min(group_size, last)) if isinstance(last, int) else E.binop("max", 1, E.binop("min", group_size, last))
+    grouped = [ceildiv(last, g)] + domain[:-1] + [g]
+    padded = grouped[0]
+    for d in grouped[1:]:
+        padded = padded * d
+
+    def coords(w):
+        t = w * wave_size + index
+        rem, idxs = t, [None] * len(grouped)
+        for i in range(len(grouped) - 1, 0, -1):
+            idxs[i], rem = rem % grouped[i], rem // grouped[i]
+        last_coord = rem * g + idxs[-1]
+        return idxs[1:-1] + [last_coord], E.logical("and", E.compare("<", t, padded), E.compare("<", last_coord, last))
+
+    return LoopSpec("serial", [(0, ceildiv(padded, wave_size), 1)], coords=coords, n_names=len(domain))
 
 
 def grid(*extents) -> LoopSpec:

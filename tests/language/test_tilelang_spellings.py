@@ -210,3 +210,16 @@ def test_assert_on_compile_time_values():
     make(8)
     with pytest.raises(tegula.CompileError, match="n=6 must be a multiple of 4"):
         make(6)
+
+
+def test_persistent_loop_visits_every_tile_once(target):
+    # 5 x 3 tiles shared by a wave of 4 blocks, panels of 2 along the last dimension
+    @T.prim_func
+    def main(Visits: T.Tensor((5, 3), "int32")):
+        with T.Kernel(4) as b:
+            for tm, tn in T.Persistent([5, 3], 4, b, group_size=2):
+                T.atomic_add(Visits[tm, tn], 1)
+
+    v = torch.zeros(5, 3, dtype=torch.int32)
+    tegula.compile(main, target=target)(v)
+    assert torch.equal(v, torch.ones(5, 3, dtype=torch.int32))
