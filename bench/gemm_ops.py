@@ -16,22 +16,28 @@ the spread (max - min) / median of each contender's samples):
   fp8_gemm_nt of the same total M on one weight; the masked form; k_grouped_fp8_gemm_tn_contiguous.
 - indexer: fp8_mqa_logits and fp8_paged_mqa_logits against a torch implementation of the same formula.
 
-Outputs are preallocated once and reused; torch writes with out=. On a machine other work shares, --clock cpu
+Outputs are preallocated once and reused; torch writes with out=. OMP_WAIT_POLICY defaults to passive here (see
+below). On a machine other work shares, --clock cpu
 compares the contenders one thread each by the CPU time a call takes, which that load disturbs far less than
 wall-clock time.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import random
-import statistics
-import time
 
-import torch
+# torch and tegula's kernels run on two OpenMP runtimes in this process; threads of one that spin after a call
+# starve the other's on a machine with few cores (2-10x on 2). Sleeping at once keeps the side-by-side fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from bench.common import measure_bandwidth, print_table
-from tegula.ops import gemm as dg
+import argparse  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import measure_bandwidth, print_table  # noqa: E402
+from tegula.ops import gemm as dg  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DECODE_NK = [(2112, 7168), (24576, 1536), (7168, 2048), (4096, 7168)]
