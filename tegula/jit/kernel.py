@@ -24,10 +24,10 @@ class JITKernel:
         """The generated source (C for ``c``, Python/numpy for ``interp``)."""
         return self.source
 
-    def get_profiler(self, **dims):
-        """A profiler over random inputs (give symbolic dims as keywords): ``.do_bench()`` -> median ms."""
+    def get_profiler(self, tensor_supply_type=None, **dims):
+        """A profiler over generated inputs (give symbolic dims as keywords): ``.do_bench()`` -> median ms."""
         from tegula.jit.profiler import Profiler
-        return Profiler(self, dims)
+        return Profiler(self, {**dims, "tensor_supply_type": tensor_supply_type})
 
     def get_ir(self) -> str:
         """The kernel's IR as text, before lowering."""
