@@ -81,7 +81,7 @@ class SimtEmitter(CFamilyEmitter):
         return super().ex(e)
 
     def call(self, e: E.Call) -> str:
-        if e.name == "fma":
+        if e.name == "fma" and not e.dtype.is_narrow_float:  # one rounding: the portable GEMM's multiply-add
             a, b, c = (self.ex(x) for x in e.args)
             return f"fmaf({a}, {b}, {c})" if e.dtype.bits == 32 else f"fma({a}, {b}, {c})"
         if e.name == "popcount":  # in the argument's own width, as cfamily's; the builtin is the prelude's
