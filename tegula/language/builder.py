@@ -18,6 +18,7 @@ class Builder:
         self.counter = 0
         self.eager: EagerState | None = None
         self.symbol_ids: set[int] = set()  # T.dynamic / T.const symbols made while parsing: names alias them
+        self.block_vars: tuple = ()         # the block indices of the T.Kernel being parsed
 
     def emit(self, stmt: S.Stmt) -> None:
         if stmt.loc is None:

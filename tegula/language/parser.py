@@ -283,6 +283,7 @@ class Parser:
         self.b.push()
         self.scopes.append({})
         self.b.in_kernel += 1
+        self.b.block_vars = bvars[:len(spec.grid)]
         try:
             if isinstance(item.optional_vars, ast.Name) and len(spec.grid) > 1:
                 self.bind(names[0], bvars[:len(spec.grid)])

@@ -151,6 +151,19 @@ class KernelSpec:
 Kernel = KernelSpec
 
 
+def get_block_binding(dim: int = 0):
+    """The block index of grid dimension ``dim`` of the enclosing T.Kernel (what ``as (bx, by)`` binds)."""
+    bv = kernel_builder().block_vars
+    if not 0 <= dim < len(bv):
+        raise CompileError(f"T.get_block_binding({dim}): the kernel has {len(bv)} grid dimension(s)")
+    return bv[dim]
+
+
+def get_block_bindings():
+    """All block indices of the enclosing T.Kernel."""
+    return list(kernel_builder().block_vars)
+
+
 # buffers ---------------------------------------------------------------------------------------
 
 def _alloc(shape, dtype, scope: str) -> Buffer:
@@ -331,6 +344,15 @@ def pow(x, y):  # noqa: A001
     return E.call("pow", x, y)
 
 
+def fma(a, b, c):
+    """a * b + c with one rounding (float32; narrow floats compute in float32 and round after; float64 not
+    supported)."""
+    out = E.call("fma", a, b, c)
+    if out.dtype == dt.float64:
+        raise CompileError("T.fma: float64 is not supported (float32 and narrower)")
+    return out
+
+
 def abs(x):  # noqa: A001
     """|x|, in x's dtype."""
     return E.call("abs", x) if isinstance(x, E.Expr) else builtins_abs(x)
@@ -390,6 +412,25 @@ def ceildiv(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return -(-a // b)
     return E.binop("//", E.binop("+", a, b - 1 if isinstance(b, int) else E.binop("-", b, 1)), b)
+
+
+def shift_left(a, b):
+    """a << b (TVM's spelling)."""
+    return E.binop("<<", a, b)
+
+
+def shift_right(a, b):
+    """a >> b (TVM's spelling)."""
+    return E.binop(">>", a, b)
+
+
+def index_to_coordinates(index, shape):
+    """The row-major coordinates of a flat ``index`` into ``shape``."""
+    out = []
+    for d in reversed(list(shape)[1:]):
+        out.append(index % d)
+        index = index // d
+    return [index] + out[::-1]
 
 
 def floordiv(a, b):

@@ -196,3 +196,40 @@ def im2col(img, col, nhw_step, c_step, kernel, stride, dilation, pad, eviction_p
 
 
 c2d_im2col = im2col
+
+
+def cumsum(src, dst=None, dim=0, reverse=False, **_hints):
+    """Inclusive prefix sum of ``src`` along ``dim`` into ``dst`` (in place when dst is None); ``reverse`` sums
+    from the end. Accumulates in the destination's dtype."""
+    b = kernel_builder()
+    s = as_region(src)
+    d = as_region(dst) if dst is not None else s
+    ss, ds = _const_shape(s, "T.cumsum"), _const_shape(d, "T.cumsum")
+    if _squeeze(ss) != _squeeze(ds):
+        raise CompileError(f"T.cumsum: source tile {_shape_str(ss)} does not match destination {_shape_str(ds)}")
+    nd = len(ss)
+    if not isinstance(dim, int) or not -nd <= dim < nd:
+        raise CompileError(f"T.cumsum: dim={dim!r} is out of range for a {nd}-D tile")
+    dim %= nd
+    # the scan dimension runs serially outside; the others are an elementwise T.Parallel nest inside
+    k = E.Var("k", dt.int32)
+    pos = E.binop("-", ss[dim] - 1, k) if reverse else k
+    prev = E.binop("+", pos, 1) if reverse else E.binop("-", pos, 1)
+    ivars = [E.Var(f"i{a}", dt.int32) for a in range(nd)]
+    at = [pos if a == dim else ivars[a] for a in range(nd)]
+    before = [prev if a == dim else ivars[a] for a in range(nd)]
+
+    def index(rg, pt):
+        kept = [a for a, keep in enumerate(rg.keep) if keep]
+        idx = [E.as_expr(x) for x in rg.starts]
+        for a, p in zip(kept, pt):
+            idx[a] = E.binop("+", idx[a], p)
+        return tuple(idx)
+
+    cur = E.cast(E.Load(s.buffer, index(s, at)), d.dtype)
+    acc = E.select(E.compare(">", k, 0), E.binop("+", E.Load(d.buffer, index(d, before)), cur), cur)
+    body = S.Store(d.buffer, index(d, at), acc, loc=b.loc)
+    for a in reversed(range(nd)):
+        if a != dim:
+            body = S.For(ivars[a], E.Const(0, dt.int32), E.Const(ss[a], dt.int32), "parallel", body, loc=b.loc)
+    b.emit(S.For(k, E.Const(0, dt.int32), E.Const(ss[dim], dt.int32), "serial", body, loc=b.loc))

@@ -223,3 +223,38 @@ def test_persistent_loop_visits_every_tile_once(target):
     v = torch.zeros(5, 3, dtype=torch.int32)
     tegula.compile(main, target=target)(v)
     assert torch.equal(v, torch.ones(5, 3, dtype=torch.int32))
+
+
+def test_cumsum_forward_and_reverse(target):
+    @T.prim_func
+    def main(X: T.Tensor((4, 8), "float32"), F: T.Tensor((4, 8), "float32"), R: T.Tensor((8, 4), "float32")):
+        with T.Kernel(1):
+            f = T.alloc_fragment((4, 8), "float32")
+            s = T.alloc_shared((8, 4), "float32")
+            T.copy(X, f)
+            for i, j in T.Parallel(8, 4):
+                s[i, j] = X[j, i]
+            T.cumsum(f, dim=1)
+            T.cumsum(s, dim=0, reverse=True)
+            T.copy(f, F)
+            T.copy(s, R)
+
+    x = torch.randn(4, 8)
+    f, r = tegula.compile(main, out_idx=[1, 2], target=target)(x)
+    torch.testing.assert_close(f, x.cumsum(1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r, x.T.flip(0).cumsum(0).flip(0), rtol=1e-5, atol=1e-5)
+
+
+def test_block_binding_shifts_and_coordinates(target):
+    @T.prim_func
+    def main(A: T.Tensor((3, 4), "int32")):
+        with T.Kernel(3, 1) as (bx, by):
+            row = T.get_block_binding(0)
+            for j in T.Parallel(4):
+                r, c = T.index_to_coordinates(row * 4 + j, (3, 4))
+                A[r, c] = T.shift_left(1, j) + T.shift_right(64, r) + by
+
+    a = torch.zeros(3, 4, dtype=torch.int32)
+    tegula.compile(main, target=target)(a)
+    ref = torch.tensor([[(1 << j) + (64 >> i) for j in range(4)] for i in range(3)], dtype=torch.int32)
+    assert torch.equal(a, ref)
