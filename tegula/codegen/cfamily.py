@@ -23,7 +23,7 @@ SUFFIX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3", "floa
           "float8_e8m0fnu": "f8e8m0"}
 _MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt",
          "tanh": "tanh", "erf": "erf", "pow": "pow", "floor": "floor", "ceil": "ceil", "abs": "fabs", "sin": "sin",
-         "cos": "cos", "trunc": "trunc", "round": "round", "fmod": "fmod"}
+         "cos": "cos", "trunc": "trunc", "round": "round", "fmod": "fmod", "fma": "fma"}
 _FAST_F32 = {"exp", "exp2", "log", "log2", "tanh"}  # vectorisable prelude versions (tegula_rt.h), <= 2 ulp
 _CMP = {"<", "<=", ">", ">=", "==", "!="}
 KEYWORDS = {"int", "float", "double", "char", "short", "long", "if", "else", "for", "while", "do", "return", "void",

@@ -19,7 +19,7 @@ _CALLS = {"exp": "np.exp", "exp2": "np.exp2", "log": "np.log", "log2": "np.log2"
           "sqrt": "np.sqrt", "tanh": "np.tanh", "floor": "np.floor", "ceil": "np.ceil", "abs": "np.abs",
           "sin": "np.sin", "cos": "np.cos", "trunc": "np.trunc", "pow": "np.power", "isnan": "np.isnan",
           "isinf": "np.isinf", "rsqrt": "_rsqrt", "sigmoid": "_sigmoid", "erf": "_erf", "round": "_round",
-          "fmod": "np.fmod", "popcount": "_popcount", "clz": "_clz"}
+          "fmod": "np.fmod", "popcount": "_popcount", "clz": "_clz", "fma": "_fma"}
 
 
 class PythonEmitter:

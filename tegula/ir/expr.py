@@ -19,7 +19,7 @@ LOGICAL = {"and", "or"}
 UNARY = {"neg", "not", "~"}
 INTRINSICS = {
     "exp", "exp2", "log", "log2", "log10", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "pow", "floor", "ceil",
-    "abs", "sin", "cos", "round", "trunc", "fmod", "isnan", "isinf", "popcount", "clz",
+    "abs", "sin", "cos", "round", "trunc", "fmod", "isnan", "isinf", "popcount", "clz", "fma",
 }
 
 
@@ -300,6 +300,10 @@ def call(name: str, *args) -> Expr:
     if len(exprs) == 2:
         a, b, t = _unify(args[0], args[1])
         exprs = [a, b]
+    if len(exprs) == 3:  # fma: one dtype for all three (literals adopt it)
+        a, b, _ = _unify(args[0], args[1])
+        a, c, t = _unify(a, args[2])
+        exprs = [cast(a, t), cast(b, t), c]
     t = exprs[0].dtype
     if name in ("isnan", "isinf"):
         return Call(name, exprs, dt.bool_)

@@ -3,6 +3,8 @@ TypeError / ValueError naming the argument, the kernel cache per (factory, targe
 layouts. torch is imported inside functions only."""
 from __future__ import annotations
 
+import os
+
 import tegula
 
 _FACTORIES: dict = {}
@@ -13,20 +15,31 @@ def torch():
     return _torch
 
 
+_TARGETS: dict = {}
+_KERNELS: dict = {}
+
+
 def target() -> str:
-    from tegula.jit.targets import resolve
-    return resolve(None).name
+    """TEGULA_TARGET's target, else the best available (resolved once per value of the variable)."""
+    env = os.environ.get("TEGULA_TARGET")
+    name = _TARGETS.get(env)
+    if name is None:
+        from tegula.jit.targets import resolve
+        name = _TARGETS[env] = resolve(None).name
+    return name
 
 
 def kernel(factory, *args):
-    """The compiled kernel ``factory(*args)`` for the current target (TEGULA_TARGET, else the best available),
-    cached per argument tuple by tegula.jit."""
+    """The compiled kernel ``factory(*args)`` for the current target, cached per argument tuple (tegula.jit
+    builds it; this dict only saves the per-call lookups, a few microseconds)."""
     tgt = target()
-    key = (factory, tgt)
-    jf = _FACTORIES.get(key)
-    if jf is None:
-        jf = _FACTORIES[key] = tegula.jit(factory, target=tgt)
-    return jf(*args)
+    k = _KERNELS.get((factory, tgt, args))
+    if k is None:
+        jf = _FACTORIES.get((factory, tgt))
+        if jf is None:
+            jf = _FACTORIES[(factory, tgt)] = tegula.jit(factory, target=tgt)
+        k = _KERNELS[(factory, tgt, args)] = jf(*args)
+    return k
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -161,6 +161,21 @@ def _erf(x):
     return out if np.ndim(x) else out[()]
 
 
+def _fma(a, b, c):
+    """float32 a * b + c rounded once: the product is exact in float64, the float64 sum is made round-to-odd
+    (its last bit set where the sum was inexact), and round-to-odd with 29 spare bits rounds to float32 exactly
+    as one rounding of the exact value would."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)  # the exact error of s (TwoSum)
+    bits = s.view(np.int64)
+    odd = np.where((err != 0) & ((bits & 1) == 0), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    with np.errstate(over="ignore"):
+        return odd.astype(np.float32)[()]
+
+
 def _round(x):
     return np.where(x >= 0, np.floor(x + 0.5), np.ceil(x - 0.5)).astype(np.asarray(x).dtype)[()]
 
