@@ -7,9 +7,7 @@ TileKernels' kernels are checked bit for bit against torch. On the CPU, torch's 
 - ``exp_f32(x)``: SLEEF's expf_u10 step by step (Cody-Waite reduction by ln 2, a degree-6 polynomial, two
   power-of-two scalings), so that ``1 / (1 + exp_f32(-x))`` equals ``torch.sigmoid(x)`` and ``x / (1 +
   exp_f32(-x))`` equals ``torch.nn.functional.silu(x)`` in every bit.
-- ``fma_f32(a, b, c)``: a * b + c rounded once, computed as float64 ``a * b + c`` (the product is exact in float64)
-  rounded to float32. Every backend (and a torch reference written as ``(a.double() * b + c).float()``) gets the
-  same bits; they differ from a hardware FMA only where the float64 sum lands exactly on a float32 rounding tie.
+- ``fma_f32(a, b, c)``: a * b + c rounded once (``T.fma``: the CPU's FMA instruction, the same bits everywhere).
 
 Macros inline at their call site: arguments are float32 expressions.
 """
@@ -27,7 +25,7 @@ _RINT_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to the n
 
 @T.macro
 def fma_f32(a, b, c):
-    return T.cast(T.cast(a, "float64") * T.cast(b, "float64") + T.cast(c, "float64"), "float32")
+    return T.fma(a, b, c)
 
 
 @T.macro

@@ -210,8 +210,16 @@ def sigmoid(x):
 
 
 def fma(a, b, c):
-    """a * b + c rounded once to float32 (through float64, as tegula's kernels compute it)."""
-    return (a.double() * b.double() + c.double()).float()
+    """a * b + c rounded once to float32: the float64 product is exact, the float64 sum is made round-to-odd
+    (last bit set where it was inexact), which then rounds to float32 as the exact value would."""
+    a, b, c = torch.broadcast_tensors(a.double(), b.double(), c.double())
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    even = (s.view(torch.int64) & 1) == 0
+    away = torch.nextafter(s, torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, -float("inf"))))
+    return torch.where((err != 0) & even, away, s).float()
 
 
 def lane_sum(p, lanes=32):
