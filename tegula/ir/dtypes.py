@@ -9,6 +9,7 @@ _ALIASES = {
     "float8_e4m3": "float8_e4m3fn", "float": "float32", "half": "float16", "bf16": "bfloat16",
     "fp32": "float32", "fp16": "float16", "int": "int32", "double": "float64", "float8_e8m0": "float8_e8m0fnu",
     "long": "int64", "short": "int16", "uint": "uint32", "ulong": "uint64",
+    "tfloat32": "float32",  # stored as float32; tegula's GEMMs are at least as precise as TF32
 }
 
 

@@ -89,6 +89,7 @@ class Profiler:
         dims = dict(dims or {})
         self.supply = dims.pop("tensor_supply_type", None) or TensorSupplyType.Auto
         self.kernel, self.dims = kernel, dims
+        self.func = kernel  # TileLang's name for the profiled kernel
 
     def inputs(self):
         from tegula.ir import expr as E

@@ -126,6 +126,7 @@ from tegula.language.tile import (  # noqa: F401
 float8_e4m3 = float8_e4m3fn
 half = float16
 float, double, int, long, short, uint, ulong = float32, float64, int32, int64, int16, uint32, uint64  # C spellings
+tfloat32 = float32  # TF32 operands: stored as float32, multiplied at least as precisely
 parallel = Parallel
 Serial = serial
 Buffer = Tensor

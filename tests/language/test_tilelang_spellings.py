@@ -14,6 +14,7 @@ def test_c_type_names_and_dtype_helpers():
     assert T.dtype("long") == T.int64 and T.dtype("short") == "int16"
     assert T.float16.as_torch() is torch.float16 and T.dtype("bool").as_torch() is torch.bool
     assert T.bfloat16.bytes == 2 and T.float.bytes == 4
+    assert T.tfloat32 == T.float32 and T.dtype("tfloat32") == "float32"  # TF32 operands are stored as float32
 
 
 def test_tvm_cast_takes_the_dtype_first(target):
