@@ -13,11 +13,17 @@ _ALIASES = {
 }
 
 
-class DType:
-    __slots__ = ("name", "kind", "bits")
+class DType(str):
+    """An element type. It is also the ``str`` of its name, as TileLang's dtypes are (``getattr(torch, T.float16)``
+    and f-strings work), and compares equal to its aliases."""
 
-    def __init__(self, name: str, kind: str, bits: int):
+    def __new__(cls, name: str, kind: str, bits: int):
+        self = super().__new__(cls, name)
         self.name, self.kind, self.bits = name, kind, bits
+        return self
+
+    def __reduce__(self):
+        return dtype, (self.name,)
 
     @property
     def is_float(self) -> bool:
@@ -54,6 +60,10 @@ class DType:
         if isinstance(other, str):
             return self.name == _ALIASES.get(other, other)
         return NotImplemented
+
+    def __ne__(self, other) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
     def __hash__(self) -> int:
         return hash(self.name)

@@ -58,6 +58,10 @@ class Expr:
     def __invert__(self): return unop("~", self)
     def __abs__(self): return call("abs", self)
 
+    def astype(self, dtype) -> "Expr":
+        """``x.astype(T.float32)``: TVM's spelling of ``T.cast(x, dtype)``."""
+        return cast(self, dtype)
+
     # comparisons build expressions; identity is used for hashing
     def __lt__(self, o): return compare("<", self, o)
     def __le__(self, o): return compare("<=", self, o)

@@ -35,6 +35,7 @@ from tegula.language.surface import (  # noqa: F401
     StridedTensor,
     Tensor,
     abs,
+    alloc_buffer,
     alloc_fragment,
     alloc_global,
     alloc_local,

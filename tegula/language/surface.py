@@ -215,6 +215,17 @@ def alloc_global(shape, dtype):
     return buf
 
 
+def alloc_buffer(shape, dtype, scope="global"):
+    """TVM's ``T.alloc_buffer(shape, dtype, scope=...)``: by scope, T.alloc_global ("global", outside the kernels),
+    T.alloc_shared ("shared", "shared.dyn"), T.alloc_fragment ("local.fragment") or T.alloc_local ("local")."""
+    if scope == "global":
+        return alloc_global(shape, dtype)
+    kinds = {"shared": alloc_shared, "shared.dyn": alloc_shared, "local.fragment": alloc_fragment, "local": alloc_local}
+    if scope not in kinds:
+        raise CompileError(f"T.alloc_buffer: unsupported scope {scope!r}; expected one of global, {', '.join(kinds)}")
+    return kinds[scope](shape, dtype)
+
+
 def alloc_var(dtype, init=None, scope="local.var"):
     """A scalar variable: ``v = expr`` assigns, ``v += 1`` updates, ``v`` reads."""
     buf = _alloc((1,), dtype, "local.var")

@@ -259,3 +259,22 @@ def test_block_binding_shifts_and_coordinates(target):
     tegula.compile(main, target=target)(a)
     ref = torch.tensor([[(1 << j) + (64 >> i) for j in range(4)] for i in range(3)], dtype=torch.int32)
     assert torch.equal(a, ref)
+
+
+def test_dtypes_are_strings_and_tvm_spellings(target):
+    assert isinstance(T.float16, str) and getattr(torch, T.bfloat16) is torch.bfloat16 and f"{T.int8}" == "int8"
+    assert T.float8_e4m3 == "float8_e4m3fn" and not (T.float32 != "float")
+
+    @T.prim_func
+    def main(A: T.Tensor((8,), "float16"), B: T.Tensor((8,), "float32")):
+        part = T.alloc_buffer((8,), "float32")  # TVM's spelling of a global workspace
+        with T.Kernel(1):
+            s = T.alloc_buffer((8,), "float32", scope="shared")
+            for i in T.Parallel(8):
+                s[i] = A[i].astype("float32") * 2.0
+            T.copy(s, part)
+        with T.Kernel(1):
+            T.copy(part, B)
+
+    a = torch.randn(8).half()
+    assert torch.equal(tegula.compile(main, out_idx=[1], target=target)(a), a.float() * 2)
