@@ -146,3 +146,17 @@ def test_im2col_matches_a_convolution(target):
     for s, d, p in ((1, 1, 1), (2, 2, 2)):
         ref = torch.conv2d(x.permute(0, 3, 1, 2), wt.permute(3, 2, 0, 1), stride=s, padding=p, dilation=d)
         torch.testing.assert_close(conv(x, wt, s, d, p), ref.permute(0, 2, 3, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_strided_tensor_annotation(target):
+    @tegula.jit(target=target)
+    def as_contiguous(A):
+        M, N, sM, sN = T.dynamic("M, N, sM, sN")
+        A: T.StridedTensor[[M, N], [sM, sN], T.float32]
+        B = T.empty((M, N), A.dtype)
+        with T.Kernel(T.ceildiv(M, 8)) as bx:
+            T.copy(A[bx * 8:(bx + 1) * 8, 0:16], B[bx * 8:(bx + 1) * 8, 0:16])
+        return B
+
+    x = torch.randn(16, 20).T  # (20, 16), strides (1, 20)
+    assert torch.equal(as_contiguous(x), x.contiguous())
