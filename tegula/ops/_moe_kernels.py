@@ -11,15 +11,15 @@ SIGMOID, SQRTSOFTPLUS, SOFTMAX = 0, 1, 2
 
 @T.macro
 def select_topk(v, taken, out_idx, BM, E, K):
-    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index), for k < K; marks them in ``taken``."""
+    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index), for k < K; marks them in ``taken``.
+    (One row per block vectorises best: the loops then run along the experts.)"""
     mx = T.alloc_fragment((BM,), "float32")
     cand = T.alloc_fragment((BM, E), "int32")
     best = T.alloc_fragment((BM,), "int32")
     masked = T.alloc_fragment((BM, E), "float32")
     T.fill(taken, 0)
+    T.copy(v, masked)
     for k in T.serial(K):
-        for i, j in T.Parallel(BM, E):
-            masked[i, j] = T.if_then_else(taken[i, j] != 0, NEG_INF, v[i, j])
         T.reduce_max(masked, mx, dim=1)
         for i, j in T.Parallel(BM, E):
             cand[i, j] = T.if_then_else(taken[i, j] == 0 and masked[i, j] == mx[i], j, E)
@@ -27,11 +27,12 @@ def select_topk(v, taken, out_idx, BM, E, K):
         for i, j in T.Parallel(BM, E):
             if j == best[i]:
                 taken[i, j] = 1
+                masked[i, j] = NEG_INF
         for i in T.Parallel(BM):
             out_idx[i, k] = best[i]
 
 
-def topk_gate(E, K, BM=8):
+def topk_gate(E, K, BM=1):
     """S (num_tokens, E) float32 -> I (num_tokens, K) int64: the K largest per row, descending, ties to the lower
     index."""
     NT = T.dynamic("num_tokens")
@@ -77,7 +78,7 @@ def log1p_f32(u):
     return T.if_then_else(w == 1.0, u, T.log(w) * (u / (w - 1.0)))
 
 
-def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=8):
+def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=1):
     """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate."""
     NT, NL, ND, UST = T.dynamic("num_tokens"), T.dynamic("num_logical"), T.dynamic("num_dup"), T.dynamic("u_stride")
     NM, NF = T.dynamic("mask_len"), T.dynamic("fix_len")
@@ -105,10 +106,7 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 T.reduce_max(lg, mx, dim=1)
                 for i, j in T.Parallel(BM, E):
                     s[i, j] = exp_f32(lg[i, j] - mx[i])
-                T.fill(sm, 0.0)
-                for j in T.serial(E):
-                    for i in T.Parallel(BM):
-                        sm[i] = sm[i] + s[i, j]
+                T.reduce_sum(s, sm, dim=1)
                 for i, j in T.Parallel(BM, E):
                     s[i, j] = s[i, j] / sm[i]
                     b[i, j] = lg[i, j] + bias[j]

@@ -238,6 +238,8 @@ def test_swiglu_forward_and_per_token_cast(target, case):
     n, h, g, routed, clamp, count, sfk = case
     n = rows(target, n)
     x = randn(n, 2 * h, scale=2.0)
+    if not routed:  # a strided view: rows 2 * hidden + 64 apart
+        x = torch.cat([x, randn(n, 64)], 1)[:, :2 * h]
     p2t = torch.randint(-1, 2 * n, (n,), dtype=torch.int32) if routed else None
     tw = torch.randn(n, 2) if routed else None
     p2e = torch.randint(-1, 8, (n,), dtype=torch.int32) if routed else None
