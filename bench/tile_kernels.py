@@ -194,7 +194,7 @@ def main(argv=None):
     dummy = torch.zeros(1, 1, dtype=torch.int32)
     q8 = torch.empty(T_, H, dtype=torch.float8_e4m3fn)
     sf = torch.empty(T_, H // 128, dtype=torch.float32)
-    k = _tk.kernel(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, 2048)
+    k = _tk.kernel(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, 512)
     bench("per_token_cast bf16->e4m3 /128", lambda: k(x, dummy, q8, sf.view(torch.int32), H, 0),
           lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
@@ -202,7 +202,7 @@ def main(argv=None):
           lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
-    k4 = _tk.kernel(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, 2048)
+    k4 = _tk.kernel(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, 512)
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(x, dummy, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
@@ -220,7 +220,7 @@ def main(argv=None):
           lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5)
     qq, ss = per_token_cast_ref(x)
     y = torch.empty(T_, H, dtype=torch.bfloat16)
-    kbk = _tk.kernel(QK.cast_back, "e4m3", "bfloat16", 1, 128, False, 2048)
+    kbk = _tk.kernel(QK.cast_back, "e4m3", "bfloat16", 1, 128, False, 512)
     bench("cast_back e4m3->bf16 /128", lambda: kbk(qq, ss.view(torch.int32), y, H),
           lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss), T_ * H * 3)
     qq = q4 = e5 = None  # free them (the closures above have run)

@@ -209,7 +209,7 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
     return per_token_cast
 
 
-def per_row_cast(in_kind, fmt, W=1024, BM=2):
+def per_row_cast(in_kind, fmt, W=1024, BM=1):
     """One scale per row (num_per_channels == hidden): the row's amax over chunks of W, then the cast chunk by
     chunk. ``fmt`` e4m3 / e2m1 / e5m6 (e5m6: Q is uint32, 8 values in 3 words)."""
     NT = T.dynamic("num_tokens")

@@ -39,7 +39,7 @@ __all__ = ["per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with
            "swiglu_forward_and_per_token_cast", "swiglu_backward_and_per_token_cast"]
 
 _GROUPS = (16, 32, 64, 128)
-_W = 2048  # columns per block of the per-token kernels: a multiple of every group and input block width
+_W = 512  # columns per block of the per-token kernels (L1-sized tiles): a multiple of every group and block width
 
 
 def _dummy_sf():
