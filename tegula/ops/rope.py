@@ -30,7 +30,8 @@ _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16"
 
 
 def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16):
-    """X (tokens, heads, D) rotated in place in its first R dims; grid (heads, token blocks)."""
+    """X (tokens, heads, D) rotated in place in its first R dims; a block takes BT tokens, all heads (their cos / sin
+    rows gathered once)."""
     NTOK, NH = T.dynamic("num_tokens"), T.dynamic("num_heads")
     ST, SH = T.dynamic("tok_stride"), T.dynamic("head_stride")
     NP, MAXP = T.dynamic("num_positions"), T.dynamic("max_position")
@@ -40,7 +41,7 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
     @T.prim_func
     def rope(X: T.StridedTensor((NTOK, NH, D), (ST, SH, 1), dtype), P: T.Tensor((NP,), "int32"),
              CS: T.Tensor((MAXP, R), cache_dtype), seqlen: T.int32, offset: T.int32):
-        with T.Kernel(NH, T.ceildiv(NTOK, BT)) as (h, bt):
+        with T.Kernel(T.ceildiv(NTOK, BT)) as bt:
             t0 = bt * BT
             pos = T.alloc_fragment((BT,), "int32")
             cs = T.alloc_fragment((BT, R), "float32")
@@ -52,19 +53,20 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
                 pos[t] = T.clamp(p, 0, MAXP - 1)
             for t, i in T.Parallel(BT, R):
                 cs[t, i] = CS[pos[t], i]
-            T.copy(X[t0:t0 + BT, h, 0:R], x)
-            for t, i in T.Parallel(BT, R2):
-                c = cs[t, i]
-                s = cs[t, R2 + i] * sgn
-                if interleaved:
-                    x1, x2 = x[t, 2 * i], x[t, 2 * i + 1]
-                    y[t, 2 * i] = x1 * c - x2 * s
-                    y[t, 2 * i + 1] = x2 * c + x1 * s
-                else:
-                    x1, x2 = x[t, i], x[t, R2 + i]
-                    y[t, i] = x1 * c - x2 * s
-                    y[t, R2 + i] = x2 * c + x1 * s
-            T.copy(y, X[t0:t0 + BT, h, 0:R])
+            for h in T.serial(NH):
+                T.copy(X[t0:t0 + BT, h, 0:R], x)
+                for t, i in T.Parallel(BT, R2):
+                    c = cs[t, i]
+                    s = cs[t, R2 + i] * sgn
+                    if interleaved:
+                        x1, x2 = x[t, 2 * i], x[t, 2 * i + 1]
+                        y[t, 2 * i] = x1 * c - x2 * s
+                        y[t, 2 * i + 1] = x2 * c + x1 * s
+                    else:
+                        x1, x2 = x[t, i], x[t, R2 + i]
+                        y[t, i] = x1 * c - x2 * s
+                        y[t, R2 + i] = x2 * c + x1 * s
+                T.copy(y, X[t0:t0 + BT, h, 0:R])
     return rope
 
 
