@@ -267,7 +267,12 @@ def _stmt(s, ctx: _Ctx):
         return rep(s, src=_region(s.src, ctx), dst=_region(s.dst, ctx))
     if isinstance(s, S.Atomic):
         value = _region(s.value, ctx) if isinstance(s.value, Region) else _expr(s.value, ctx)
-        return rep(s, dst=_region(s.dst, ctx), value=value)
+        out = rep(s, dst=_region(s.dst, ctx), value=value)
+        d = out.dst
+        if d.buffer.is_global and all(E.const_value(x) == 1 for x in d.extents):  # one element: guard it here
+            g = ctx.guard(d.buffer, tuple(E.as_expr(x) for x in d.starts))
+            return out if g is None else S.If(g, out, loc=s.loc)
+        return out
     return s
 
 

@@ -74,3 +74,21 @@ def test_a_hand_written_guard_is_enough():
 
     text = tegula.lower(main, target="c").lowered.script()
     assert text.count("if ") == 1 and "select(" not in text, text
+
+
+def test_element_atomics_past_the_edge_do_nothing(target):
+    # scatter-add through an index tensor whose entries may point past the end (a sentinel), from a T.Parallel
+    @T.prim_func
+    def main(Idx: T.Tensor((8,), "int32"), Val: T.Tensor((8,), "float32"), Acc: T.Tensor((4,), "float32")):
+        with T.Kernel(1):
+            for i in T.Parallel(8):
+                T.atomic_add(Acc[Idx[i]], Val[i])
+
+    idx = torch.tensor([0, 4, 1, 9, 1, 3, 4, 2], dtype=torch.int32)
+    val, acc = torch.arange(8.0), torch.zeros(4)
+    tegula.compile(main, target=target)(idx, val, acc)
+    ref = torch.zeros(4)
+    for k, v in zip(idx.tolist(), val.tolist()):
+        if k < 4:
+            ref[k] += v
+    assert torch.equal(acc, ref)
