@@ -11,15 +11,21 @@ plain OpenMP copy measured in this process. The MoE routing rows are latency row
 from __future__ import annotations
 
 import argparse
+import os
 
-import torch
-import torch.nn.functional as F
+# torch and tegula's kernels share one OpenMP pool (torch's libgomp). Its default active wait (threads spin after a
+# parallel region) makes back-to-back short regions stall for milliseconds on a small, shared machine; passive
+# waiting is the fair setting for both sides. Set before torch loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from bench.common import do_bench, measure_bandwidth, print_table, try_compile
-from tegula.ops import _moe_kernels as MK
-from tegula.ops import _quant_kernels as QK
-from tegula.ops import _swiglu, _tk, moe, norm
-from tegula.ops.rope import rope_kernel
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import do_bench, measure_bandwidth, print_table, try_compile  # noqa: E402
+from tegula.ops import _moe_kernels as MK  # noqa: E402
+from tegula.ops import _quant_kernels as QK  # noqa: E402
+from tegula.ops import _swiglu, _tk, moe, norm  # noqa: E402
+from tegula.ops.rope import rope_kernel  # noqa: E402
 
 # torch peers: the plain eager formulation of each op ----------------------------------------------------------------
 
