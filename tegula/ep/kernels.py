@@ -28,21 +28,22 @@ def copy_rows_kernel(dtype: str):
 
 
 @tegula.jit(target="c")
-def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
+def gather_sum_kernel(dtype: str, H: int, weighted: bool, nbias: int, block: int):
     """Y[t, :] = bias0[t] + bias1[t] + sum_s w[t, s] * R(idx[t, s]), summed in float32 in order s = 0..S-1 and
-    rounded once to ``dtype``. R(i) is the row A[i] for 0 <= i < Na, and the H elements of the flat B from
-    element i - Na for i >= Na; i < 0 adds nothing. ``weighted=False`` drops w (every weight 1); ``nbias`` of the
-    two bias tensors are read. Columns go ``block`` at a time (H % block == 0): the accumulator stays in L1."""
+    rounded once to ``dtype``. R(i) is the row A[i] for 0 <= i < Na, and B[i - Na] for Na <= i < Na + Nb, where B
+    may overlap itself (strides (1, 1): B[o] is the H elements of a flat tensor from element o, so rows can start
+    anywhere); other i add nothing. ``weighted=False`` drops w (every weight 1); ``nbias`` of the two bias tensors
+    are read. The row length H is a constant (H % block == 0) and every access is checked once per row, so the
+    column loops carry no bounds guards; columns go ``block`` at a time: the accumulator stays in L1."""
     Na = T.dynamic("Na")
     Nb = T.dynamic("Nb", "int64")
     N = T.dynamic("N")
-    H = T.dynamic("H")
     S = T.dynamic("S")
 
     @T.prim_func
-    def gather_sum(A: T.Tensor((Na, H), dtype), B: T.Tensor((Nb,), dtype), idx: T.Tensor((N, S), "int64"),
-                   w: T.Tensor((N, S), "float32"), bias0: T.Tensor((N, H), dtype), bias1: T.Tensor((N, H), dtype),
-                   Y: T.Tensor((N, H), dtype)):
+    def gather_sum(A: T.Tensor((Na, H), dtype), B: T.StridedTensor((Nb, H), (1, 1), dtype),
+                   idx: T.Tensor((N, S), "int64"), w: T.Tensor((N, S), "float32"), bias0: T.Tensor((N, H), dtype),
+                   bias1: T.Tensor((N, H), dtype), Y: T.Tensor((N, H), dtype)):
         with T.Kernel(N, threads=128) as t:
             acc = T.alloc_fragment((block,), "float32")
             for c in T.serial(H // block):
@@ -57,14 +58,14 @@ def gather_sum_kernel(dtype: str, weighted: bool, nbias: int, block: int):
                     T.clear(acc)
                 for s in T.serial(S):
                     i = idx[t, s]
-                    if i >= Na:
+                    if i - Na >= 0 and i - Na < Nb:
                         if weighted:
                             for j in T.Parallel(block):
-                                acc[j] += w[t, s] * B[i - Na + c * block + j]
+                                acc[j] += w[t, s] * B[i - Na, c * block + j]
                         else:
                             for j in T.Parallel(block):
-                                acc[j] += B[i - Na + c * block + j]
-                    elif i >= 0:
+                                acc[j] += B[i - Na, c * block + j]
+                    elif i >= 0 and i < Na:
                         if weighted:
                             for j in T.Parallel(block):
                                 acc[j] += w[t, s] * A[i, c * block + j]
@@ -132,8 +133,11 @@ def _compiled(tensor) -> bool:
 
 
 def empty(shape, dtype, device):
-    """A fresh tensor. Large CPU ones are backed by transparent huge pages where the kernel offers them: a fresh
-    58 MB output otherwise spends longer in page faults than in being written."""
+    """An uninitialised tensor. Large CPU ones come from a small cache of anonymous mappings (backed by transparent
+    huge pages where the kernel offers them): fresh memory is faulted in at about a fifth of the speed it is then
+    written, so an output of tens of MB costs more in page faults than in being computed. A mapping is handed out
+    again only once nothing refers to it any more (no tensor, view or storage made from it: each holds a reference
+    to the mapping), as torch's caching allocators do on GPUs."""
     import mmap
 
     import torch
@@ -141,11 +145,32 @@ def empty(shape, dtype, device):
     for d in shape:
         n *= d
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < _THP_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if torch.device(device).type != "cpu" or nbytes < _THP_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    idle = _idle()
+    hit = [i for i in idle if len(_POOL[i]) == nbytes]
+    if hit:
+        m = _POOL.pop(hit[-1])  # the most recently used
+    else:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+        if len(_POOL) >= _POOL_SIZE:  # forget the oldest idle mapping, else the oldest (its tensors keep it alive)
+            del _POOL[idle[0] if idle else 0]
+    _POOL.append(m)
     return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+_POOL: list = []  # cached mappings of empty(), least recently used first
+_POOL_SIZE = 4
+
+
+def _idle() -> list[int]:
+    """Positions in the pool of the mappings nothing else refers to. A tensor made by torch.frombuffer holds a
+    reference to its mapping for as long as its storage lives (through any view); an idle one has two: the pool's
+    and getrefcount's argument."""
+    import sys
+    return [i for i in range(len(_POOL)) if sys.getrefcount(_POOL[i]) == 2]
 
 
 def _word_view(t, row_bytes):
@@ -189,12 +214,13 @@ def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
     na = a.shape[0]
     if na == 0:  # the kernel wants a row: borrow the output's first (never read, no index is below Na = 1)
         a, idx = out[:1], torch.where(idx >= 0, idx + 1, idx)
-    if b.numel() == 0:
+    if b.numel() < h:  # no row of b: any row will do (no index reaches it)
         b = a.view(-1)
+    rows = b.as_strided((b.numel() - h + 1, h), (1, 1))  # rows starting at every element of b
     block = next(c for c in (256, 32, 8, 1) if h % c == 0)
-    k = gather_sum_kernel(str(a.dtype)[6:], w is not None, len(bias), block)
+    k = gather_sum_kernel(str(a.dtype)[6:], h, w is not None, len(bias), block)
     unread = idx.view(torch.float32)[:, ::2] if w is None else w  # the kernel's w and bias when they are not used
-    k(a, b, idx, unread.contiguous(), bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
+    k(a, rows, idx, unread.contiguous(), bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
     return out
 
 
