@@ -366,6 +366,7 @@ class Buffer:
         tokens, send_head = send_lists(is_token_in_rank)
         x_c = x.contiguous()
         s_c = x_scales.contiguous() if x_scales is not None else None
+        ti_c, tw_c = (topk_idx.contiguous(), topk_weights.contiguous()) if k else (None, None)
         n_local = n_exp // r_n
         start = exclusive(prefix)  # start[s, r]: where rank s's rows begin at rank r
 
@@ -382,10 +383,15 @@ class Buffer:
             for f, v in rows.items():
                 mine[f][start[s, me]:start[s, me] + v.shape[0]].copy_(v)
 
+        def write(views, r):  # rows, scales, local top-k and token ids in one pass, else gathered first
+            if not kernels.dispatch_rows(x_c, s_c, ti_c, tw_c, tokens[r], views, int(start[me, r]), r * n_local,
+                                         n_local):
+                _write_rows(views, payload(r), int(start[me, r]))
+
         mine = self._move(
             "dispatch", x.device, CTRL_BYTES + slot * self._nvl_third, self._nvl_third, plans,
             lambda r: [plans[r].span(f, start[me, r], start[me, r] + counts[me, r]) for f in plans[r].fields],
-            lambda views, r: _write_rows(views, payload(r), int(start[me, r])),
+            write,
             [(f, shape[1:], dtype) for f, (_, shape, dtype, _) in plans[me].fields.items()],
             payload, counts[me], counts[:, me], place)
 

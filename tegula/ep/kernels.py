@@ -28,6 +28,51 @@ def copy_rows_kernel(dtype: str):
 
 
 @tegula.jit(target="c")
+def dispatch_rows_kernel(word: str, W: int, sword: str, SW: int, K: int):
+    """One sender's rows into a dispatch receiver's arrays, from row r0: for i < N, with s = tok[i], d = r0 + i:
+    Y[d] = X[s] (W words), YS[d] = XS[s] (SW words; none if SW == 0), YI[d, k] = topk_idx[s, k] - first where
+    that lies in [0, n_local) and -1 elsewhere, YW[d, k] = topk_weights[s, k] there and 0 elsewhere (K columns;
+    none if K == 0), Ysrc[d] = s. Rows outside their tensors are skipped (checked once per row)."""
+    M = T.dynamic("M")
+    Ms = T.dynamic("Ms")
+    Mk = T.dynamic("Mk")
+    N = T.dynamic("N")
+    P = T.dynamic("P")
+    Ps = T.dynamic("Ps")
+    Pk = T.dynamic("Pk")
+    Pz = T.dynamic("Pz")
+    Kc = max(K, 1)
+
+    @T.prim_func
+    def dispatch_rows(X: T.Tensor((M, W), word), XS: T.Tensor((Ms, max(SW, 1)), sword),
+                      topk_idx: T.Tensor((Mk, Kc), "int64"), topk_weights: T.Tensor((Mk, Kc), "float32"),
+                      tok: T.Tensor((N,), "int32"), Y: T.Tensor((P, W), word), YS: T.Tensor((Ps, max(SW, 1)), sword),
+                      YI: T.Tensor((Pk, Kc), "int64"), YW: T.Tensor((Pk, Kc), "float32"), Ysrc: T.Tensor((Pz,), "int32"),
+                      r0: T.int32, first: T.int64, n_local: T.int64):
+        with T.Kernel(N, threads=128) as i:
+            s = tok[i]
+            d = r0 + i
+            if s >= 0 and s < M and d >= 0 and d < P:
+                for j in T.Parallel(W):
+                    Y[d, j] = X[s, j]
+            if SW > 0:
+                if s >= 0 and s < Ms and d >= 0 and d < Ps:
+                    for j in T.Parallel(SW):
+                        YS[d, j] = XS[s, j]
+            if K > 0:
+                if s >= 0 and s < Mk and d >= 0 and d < Pk:
+                    for k in T.serial(K):
+                        e = topk_idx[s, k] - first
+                        keep = topk_idx[s, k] >= 0 and e >= 0 and e < n_local
+                        YI[d, k] = T.if_then_else(keep, e, T.int64(-1))
+                        YW[d, k] = T.if_then_else(keep, topk_weights[s, k], T.float32(0))
+            if d >= 0 and d < Pz:
+                Ysrc[d] = s
+
+    return dispatch_rows
+
+
+@tegula.jit(target="c")
 def gather_sum_kernel(dtype: str, H: int, weighted: bool, nbias: int, block: int):
     """Y[t, :] = bias0[t] + bias1[t] + sum_s w[t, s] * R(idx[t, s]), summed in float32 in order s = 0..S-1 and
     rounded once to ``dtype``. R(i) is the row A[i] for 0 <= i < Na, and B[i - Na] for Na <= i < Na + Nb, where B
@@ -194,6 +239,36 @@ def copy_rows(x, src, dst, y) -> None:
     row = x[0].numel() * x.element_size() if x.shape[0] else y[0].numel() * y.element_size()
     xv, yv = _word_view(x, row), _word_view(y, row)
     copy_rows_kernel(str(xv.dtype)[6:])(xv, src, dst, yv)
+
+
+def dispatch_rows(x, x_scales, topk_idx, topk_weights, tok, views, row0: int, first: int, n_local: int) -> bool:
+    """One sender's rows of a dispatch into a receiver's arrays ``views`` (x, x_scales, topk_idx, topk_weights,
+    src_idx) from row ``row0``, in one pass over the tokens ``tok`` (int32): each row, its scales, its top-k made
+    local to experts [first, first + n_local) (-1 and weight 0 elsewhere) and its token id. x_scales and the top-k
+    may be None. Returns False, doing nothing, where the compiled kernel does not serve (the caller moves the rows
+    another way)."""
+    import torch
+    if not _compiled(x):
+        return False
+    if tok.numel() == 0:
+        return True
+    row = x.shape[1] * x.element_size()
+    xv, yv = _word_view(x, row), _word_view(views["x"], row)
+    dummy_s = dummy_k = None
+    if x_scales is not None:
+        srow = x_scales.shape[1] * x_scales.element_size()
+        sv, ysv = _word_view(x_scales, srow), _word_view(views["x_scales"], srow)
+    else:
+        sv = ysv = dummy_s = torch.zeros((1, 1), dtype=torch.int32)
+    if topk_idx is not None:
+        ti, tw, yi, yw = topk_idx, topk_weights, views["topk_idx"], views["topk_weights"]
+    else:
+        dummy_k = torch.zeros((1, 1), dtype=torch.int64)
+        ti, yi, tw, yw = dummy_k, dummy_k, dummy_k.view(torch.float32)[:, :1], dummy_k.view(torch.float32)[:, :1]
+    k = dispatch_rows_kernel(str(xv.dtype)[6:], xv.shape[1], str(sv.dtype)[6:], 0 if dummy_s is not None else
+                             sv.shape[1], 0 if dummy_k is not None else ti.shape[1])
+    k(xv, sv, ti, tw.contiguous(), tok, yv, ysv, yi, yw, views["src_idx"], row0, first, n_local)
+    return True
 
 
 def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
