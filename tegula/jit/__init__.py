@@ -90,20 +90,23 @@ def compile_func(func, out_idx=None, target=None, options=None) -> JITKernel:
     low = lower_func(func, tgt.name, options)
     if tgt.binary:
         filename = f"{func.name}.{tgt.binary}"
-        path = cache.lookup(key, filename)
+        # on disk, the generated source is part of the key: a binary built before a change of the passes or the
+        # emitter (same IR text, another source) is never reused
+        disk_key = cache.key_of(key, cache.source_hash(low.kernel_source))
+        path = cache.lookup(disk_key, filename)
         program = None
         if path is not None:
             try:
                 program = rt.load(path, func.name, _signature(func, low.symbols))
             except OSError:
-                cache.invalidate(key, filename)  # corrupt: rebuild
+                cache.invalidate(disk_key, filename)  # corrupt: rebuild
         if program is None:
             def build(tmp):
                 try:
                     rt.build(low.kernel_source, tmp, func.name)
                 except CompileError as e:
                     raise e.with_loc(func.loc)
-            path = cache.store(key, filename, build, {f"{func.name}.{tgt.source_ext}": low.kernel_source})
+            path = cache.store(disk_key, filename, build, {f"{func.name}.{tgt.source_ext}": low.kernel_source})
             program = rt.load(path, func.name, _signature(func, low.symbols))
     else:
         program = rt.build(low.kernel_source, func.name)

@@ -1,6 +1,8 @@
 """The compile cache: a memory dict and a disk directory of built binaries.
 
-Keys hash text only (IR text, target, options, tegula version, toolchain identity and host ISA). A binary is
+Keys hash text only (IR text, target, options, tegula version, toolchain identity and host ISA); the disk key
+adds the hash of the generated source (computed after the passes and the emitter, which are fast), so a binary
+built by an older compiler from the same IR is never loaded. A binary is
 written to a temporary name and renamed into place (atomic), with a sidecar of its sha256; an entry whose
 binary does not match its sidecar, or does not load, is rebuilt. Two processes building one key at once both
 succeed: each writes its own temporary file and the last rename wins with identical content.
@@ -23,6 +25,10 @@ def key_of(*parts: str) -> str:
         h.update(p.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 def memory_get(key: str):

@@ -71,6 +71,32 @@ def test_key_includes_host_isa(fresh_cache, monkeypatch):
     assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
 
 
+def test_changed_emitted_source_misses_the_disk_cache(fresh_cache, monkeypatch):
+    # same IR text, toolchain and prelude, but the emitter now writes another source (a compiler change): the binary
+    # built from the old source must not be loaded
+    f = scale_kernel(8, 2.0)
+    k = tegula.compile(f, out_idx=[-1], target="c")
+    np.testing.assert_array_equal(k(np.ones(8, np.float32)), np.full(8, 2.0, np.float32))
+    from tegula.codegen import c as cgen
+    emit = cgen.emit_c
+
+    def changed(func, symbols):  # what a changed emitter might write: the kernel now multiplies by 3
+        src = emit(func, symbols)
+        assert "0x1.0000000000000p+1f" in src  # 2.0f, printed exactly
+        return src.replace("0x1.0000000000000p+1f", "0x1.8000000000000p+1f")
+
+    monkeypatch.setattr(cgen, "emit_c", changed)
+    cache._MEMORY.clear()
+    k = tegula.compile(scale_kernel(8, 2.0), out_idx=[-1], target="c")
+    np.testing.assert_array_equal(k(np.ones(8, np.float32)), np.full(8, 3.0, np.float32))
+    assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
+    monkeypatch.setattr(cgen, "emit_c", emit)  # and the unchanged source still hits its own entry
+    cache._MEMORY.clear()
+    k = tegula.compile(scale_kernel(8, 2.0), out_idx=[-1], target="c")
+    np.testing.assert_array_equal(k(np.ones(8, np.float32)), np.full(8, 2.0, np.float32))
+    assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
+
+
 def test_two_processes_compiling_at_once_both_succeed(fresh_cache):
     script = textwrap.dedent("""
         import numpy as np, tegula, tegula.language as T
