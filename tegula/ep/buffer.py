@@ -489,7 +489,7 @@ class Buffer:
             w_offs = torch.tensor([int(first[me, me]) if r == me else w_c.shape[0] + back[me][r] * k
                                    for r in range(r_n)], dtype=torch.int64, device=x.device)
             w_idx = torch.where(head >= 0, head * torch.where(scale == 1, 1, k) + w_offs, -1)
-            combined_w = kernels.gather_sum(w_c, mine["topk_weights"].view(-1), w_idx, small=True)
+            combined_w = kernels.gather_sum(w_c, mine["topk_weights"].view(-1), w_idx)
         read_from = [r for r in range(r_n) if in_place(r, me)]
         read_by = [s for s in range(r_n) if in_place(me, s)]
         if read_from or read_by:

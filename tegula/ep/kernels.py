@@ -271,12 +271,12 @@ def dispatch_rows(x, x_scales, topk_idx, topk_weights, tok, views, row0: int, fi
     return True
 
 
-def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
+def gather_sum(a, b, idx, w=None, bias=(), out=None):
     """out[t] = sum(bias) + sum_s w[t, s] * row(idx[t, s]) in float32, in order, rounded once to a's dtype.
     row(i) is a[i] for 0 <= i < a.shape[0]; for larger i the H elements of the flat ``b`` from element
     i - a.shape[0] (so b can be any memory holding rows, such as the window of every segment); i < 0 adds nothing.
     Shapes: a [Na, H], b 1-D, idx [N, S] int64, w [N, S] float32 or None (weights 1), bias: up to two [N, H]
-    tensors; all contiguous. ``small``: a few columns (top-k weights), not worth a kernel."""
+    tensors; all contiguous."""
     import torch
     n, s = idx.shape
     h = a.shape[1]
@@ -284,7 +284,7 @@ def gather_sum(a, b, idx, w=None, bias=(), out=None, small=False):
         out = empty((n, h), a.dtype, a.device)
     if n == 0:
         return out
-    if small or not _compiled(a):
+    if not _compiled(a):
         return _gather_sum_torch(a, b, idx, w, bias, out)
     na = a.shape[0]
     if na == 0:  # the kernel wants a row: borrow the output's first (never read, no index is below Na = 1)

@@ -105,14 +105,13 @@ def send_lists(is_token_in_rank):
     token t among them (-1 when not sent)."""
     import torch
     t, r = is_token_in_rank.shape
-    pairs = is_token_in_rank.t().nonzero()  # (rank, token), rank-major, tokens ascending
-    counts = is_token_in_rank.sum(0).tolist()
-    tokens = pairs[:, 1].to(torch.int32)
-    send_head = torch.full((t, r), -1, dtype=torch.int32, device=is_token_in_rank.device)
-    starts = torch.tensor([0] + counts, device=pairs.device).cumsum(0)
-    send_head[pairs[:, 1], pairs[:, 0]] = (torch.arange(pairs.shape[0], device=pairs.device)
-                                          - starts[pairs[:, 0]]).to(torch.int32)
-    return list(tokens.split(counts)), send_head
+    if t == 0:
+        return [torch.zeros(0, dtype=torch.int32, device=is_token_in_rank.device)] * r, \
+            torch.zeros((0, r), dtype=torch.int32, device=is_token_in_rank.device)
+    pos = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)  # pos[t, r] - 1: token t's place at r
+    send_head = torch.where(is_token_in_rank, pos - 1, -1).to(torch.int32)
+    tokens = is_token_in_rank.t().nonzero()[:, 1].to(torch.int32)  # (rank, token) pairs, rank-major
+    return list(tokens.split(pos[-1].tolist())), send_head
 
 
 def expert_positions(topk_idx, num_experts: int):

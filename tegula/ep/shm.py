@@ -85,10 +85,13 @@ class Segment:
         """Back the byte ranges ``spans`` ([(start, end), ...]) with memory before they are written: a full
         /dev/shm raises OSError here instead of killing the process with SIGBUS on first touch."""
         import numpy as np
-        se = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        se = se[se[:, 1] > se[:, 0]]
-        if not len(se):
+        spans = [(a, b) for a, b in spans if b > a]
+        if not spans:
             return
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        if self.chunks[lo // _CHUNK:-(-hi // _CHUNK)].all():  # the usual case: backed by an earlier call
+            return
+        se = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         edges = np.zeros(len(self.chunks) + 1, dtype=np.int64)
         np.add.at(edges, se[:, 0] // _CHUNK, 1)
         np.add.at(edges, -(-se[:, 1] // _CHUNK), -1)
