@@ -47,8 +47,8 @@ def dispatch_rows_kernel(word: str, W: int, sword: str, SW: int, K: int):
     def dispatch_rows(X: T.Tensor((M, W), word), XS: T.Tensor((Ms, max(SW, 1)), sword),
                       topk_idx: T.Tensor((Mk, Kc), "int64"), topk_weights: T.Tensor((Mk, Kc), "float32"),
                       tok: T.Tensor((N,), "int32"), Y: T.Tensor((P, W), word), YS: T.Tensor((Ps, max(SW, 1)), sword),
-                      YI: T.Tensor((Pk, Kc), "int64"), YW: T.Tensor((Pk, Kc), "float32"), Ysrc: T.Tensor((Pz,), "int32"),
-                      r0: T.int32, first: T.int64, n_local: T.int64):
+                      YI: T.Tensor((Pk, Kc), "int64"), YW: T.Tensor((Pk, Kc), "float32"),
+                      Ysrc: T.Tensor((Pz,), "int32"), r0: T.int32, first: T.int64, n_local: T.int64):
         with T.Kernel(N, threads=128) as i:
             s = tok[i]
             d = r0 + i
@@ -274,7 +274,8 @@ def dispatch_rows(x, x_scales, topk_idx, topk_weights, tok, views, row0: int, fi
 def gather_sum(a, b, idx, w=None, bias=(), out=None):
     """out[t] = sum(bias) + sum_s w[t, s] * row(idx[t, s]) in float32, in order, rounded once to a's dtype.
     row(i) is a[i] for 0 <= i < a.shape[0]; for larger i the H elements of the flat ``b`` from element
-    i - a.shape[0] (so b can be any memory holding rows, such as the window of every segment); i < 0 adds nothing.
+    i - a.shape[0] (so b can be any memory holding rows, such as the window of every segment); i < 0, and i past
+    b's last whole row, add nothing.
     Shapes: a [Na, H], b 1-D, idx [N, S] int64, w [N, S] float32 or None (weights 1), bias: up to two [N, H]
     tensors; all contiguous."""
     import torch
@@ -333,7 +334,8 @@ def _gather_sum_torch(a, b, idx, w, bias, out):
     for s in range(idx.shape[1]):
         i = idx[:, s]
         for hit, rows in (((i >= 0) & (i < na), lambda at: a.index_select(0, at)),
-                          (i >= na, lambda at: b[(at - na).unsqueeze(1) + torch.arange(h, device=b.device)])):
+                          ((i >= na) & (i - na <= b.numel() - h),
+                           lambda at: b[(at - na).unsqueeze(1) + torch.arange(h, device=b.device)])):
             hit = hit.nonzero().squeeze(1)
             if hit.numel():
                 v = rows(i[hit]).float()

@@ -1,0 +1,99 @@
+"""tegula.ep's T.* kernels in one process, against plain torch: the fused dispatch row writer, the gathered sum of
+combine (rows anywhere in a flat tensor, weights, biases), and the cache of output mappings."""
+import pytest
+import torch
+
+from tegula.ep import kernels
+from tegula.ep.layout import dispatch_plan, localise
+
+needs_c = pytest.mark.skipif(not kernels._compiled(torch.zeros(1)), reason="no C compiler for the c kernels")
+
+
+def _sum_reference(a, b, idx, w, bias, h):
+    """float32 in order: bias terms, then each source's row (times its weight), rounded once."""
+    n, s = idx.shape
+    acc = torch.zeros((n, h), dtype=torch.float32)
+    for bi in bias:
+        acc += bi.float()
+    na = a.shape[0]
+    for t in range(n):
+        for j in range(s):
+            i = int(idx[t, j])
+            if 0 <= i < na:
+                row = a[i].float()
+            elif na <= i <= na + b.numel() - h:
+                row = b[i - na:i - na + h].float()
+            else:
+                continue
+            acc[t] += row if w is None else w[t, j] * row
+    return acc.to(a.dtype)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype,h", [(torch.bfloat16, 512), (torch.bfloat16, 40), (torch.float32, 8)])
+@pytest.mark.parametrize("weighted,nbias", [(False, 0), (True, 1), (False, 2)])
+def test_gather_sum_matches_torch(dtype, h, weighted, nbias):
+    g = torch.Generator().manual_seed(h + 3 * nbias + weighted)
+    n, na, s = 37, 11, 3
+    a = torch.randn((na, h), generator=g).to(dtype)
+    b = torch.randn(5 * h + 7, generator=g).to(dtype)
+    # rows of a, rows of b starting at unaligned elements (up to the last whole row), and entries adding nothing
+    choices = torch.tensor([0, 3, na - 1, na, na + 1, na + 3 * h + 5, na + 4 * h + 7, -1, na + 4 * h + 8, na - 20])
+    idx = choices[torch.randint(0, len(choices), (n, s), generator=g)]
+    w = torch.rand((n, s), generator=g) if weighted else None
+    bias = tuple(torch.randn((n, h), generator=g).to(dtype) for _ in range(nbias))
+    got = kernels.gather_sum(a, b, idx, w, bias)
+    assert torch.equal(got, _sum_reference(a, b, idx, w, bias, h))
+    assert torch.equal(got, kernels._gather_sum_torch(a, b, idx, w, bias, torch.empty_like(got)))
+
+
+@needs_c
+def test_gather_sum_without_rows_of_a():
+    h = 16
+    b = torch.randn(4 * h).to(torch.bfloat16)
+    idx = torch.tensor([[0, 2 * h], [-1, 3 * h], [h + 1, -1]])
+    got = kernels.gather_sum(torch.zeros((0, h), dtype=torch.bfloat16), b, idx)
+    assert torch.equal(got, _sum_reference(torch.zeros((0, h), dtype=torch.bfloat16), b, idx, None, (), h))
+
+
+@needs_c
+@pytest.mark.parametrize("scales,k", [(None, 4), ((3, torch.float32), 8), (None, 0)])
+def test_dispatch_rows_writes_what_the_gathers_would(scales, k):
+    g = torch.Generator().manual_seed(k)
+    t, h, n_exp, r0, first, n_local = 23, 96, 16, 5, 4, 4
+    x = torch.randn((t, h), generator=g).to(torch.bfloat16)
+    xs = torch.randn((t, scales[0]), generator=g) if scales else None
+    ti = torch.randint(-1, n_exp, (t, k), generator=g) if k else None
+    tw = torch.rand((t, k), generator=g) if k else None
+    tok = torch.tensor([0, 2, 3, 7, 22, 9], dtype=torch.int32)
+    plan = dispatch_plan(r0 + len(tok) + 2, h, x.dtype, scales, k)
+    views = plan.views(torch.full((plan.nbytes,), 0x5A, dtype=torch.uint8))
+    before = {f: v.clone() for f, v in views.items()}
+    assert kernels.dispatch_rows(x, xs, ti, tw, tok, views, r0, first, n_local)
+    rows, sel = slice(r0, r0 + len(tok)), tok.long()
+    want = {"x": x[sel], "src_idx": tok}
+    if scales:
+        want["x_scales"] = xs[sel]
+    if k:
+        want["topk_idx"], want["topk_weights"] = localise(ti[sel], tw[sel], first, n_local)
+    assert set(want) == set(views)
+    for f, v in views.items():
+        assert torch.equal(v[rows], want[f]), f
+        assert torch.equal(v[:r0], before[f][:r0]) and torch.equal(v[rows.stop:], before[f][rows.stop:]), f
+
+
+def test_empty_reuses_a_mapping_only_once_nothing_refers_to_it():
+    shape, dtype = (1024, 4096), torch.bfloat16  # 8 MiB: large enough for the cache
+    a = kernels.empty(shape, dtype, "cpu")
+    first = a.data_ptr()
+    b = kernels.empty(shape, dtype, "cpu")
+    assert b.data_ptr() != first
+    view, storage = a[5:7], b.untyped_storage()
+    del a, b
+    c = kernels.empty(shape, dtype, "cpu")
+    assert c.data_ptr() not in (first, storage.data_ptr())  # a view and a storage keep their mappings in use
+    del view
+    d = kernels.empty(shape, dtype, "cpu")
+    assert d.data_ptr() == first
+    assert kernels.empty((3, 5), dtype, "cpu").shape == (3, 5)  # small ones are plain torch tensors
+    assert len(kernels._POOL) <= kernels._POOL_SIZE
