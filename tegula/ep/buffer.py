@@ -284,16 +284,28 @@ class Buffer:
                              "get_low_latency_rdma_size_hint)")
         return plan.views(self._comm.region(rank, offset, plan.nbytes, spans))
 
-    def _move(self, what, device, offset, capacity, plans, spans, write, fields, payload, n_send, n_recv, place):
+    def _region_of(self, offset, device):
+        """The uint8 tensor holding every region this rank writes at ``offset``: the window of this machine's
+        segments, or this rank's own buffer where it receives outside shared memory."""
+        shm = self._comm.shm
+        if device.type == "cpu" and shm is not None and self.rank in shm.segs:
+            return shm.win
+        return self._private.get((offset, str(device)))
+
+    def _move(self, what, device, offset, capacity, plans, spans, write, fields, payload, n_send, n_recv, place,
+              write_all=None):
         """One operation's data movement. Each rank r this rank shares memory with gets ``write(views, r)`` into
-        its ``plans[r]`` arrays at ``offset`` (``spans(r)``: the byte ranges written there). Ranks reached through
-        torch.distributed get ``payload(r)`` (n_send[r] rows of ``fields``) in one all_to_all_single, and the
-        n_recv[s] rows from rank s go through ``place(mine, s, arrays)``. Returns this rank's arrays once every
-        sender has delivered."""
+        its ``plans[r]`` arrays at ``offset`` (``spans(r)``: the byte ranges written there); or, if
+        ``write_all({r: views})`` returns True, all of them at once. Ranks reached through torch.distributed get
+        ``payload(r)`` (n_send[r] rows of ``fields``) in one all_to_all_single, and the n_recv[s] rows from rank s
+        go through ``place(mine, s, arrays)``. Returns this rank's arrays once every sender has delivered."""
         me = self.rank
         mine = self._storage(me, offset, capacity, plans[me], device, spans(me), what)
-        for r in self._comm.local(device):
-            write(mine if r == me else self._storage(r, offset, capacity, plans[r], device, spans(r), what), r)
+        dests = {r: mine if r == me else self._storage(r, offset, capacity, plans[r], device, spans(r), what)
+                 for r in self._comm.local(device)}
+        if write_all is None or not write_all(dests):
+            for r, views in dests.items():
+                write(views, r)
         if self._comm.any_dist(device):
             far = self._comm.remote(device)
             codec = RowCodec(fields)
@@ -383,17 +395,18 @@ class Buffer:
             for f, v in rows.items():
                 mine[f][start[s, me]:start[s, me] + v.shape[0]].copy_(v)
 
-        def write(views, r):  # rows, scales, local top-k and token ids in one pass, else gathered first
-            if not kernels.dispatch_rows(x_c, s_c, ti_c, tw_c, tokens[r], views, int(start[me, r]), r * n_local,
-                                         n_local):
-                _write_rows(views, payload(r), int(start[me, r]))
+        offset = CTRL_BYTES + slot * self._nvl_third
+
+        def write_all(dests):  # every receiver here in one pass over the tokens: rows, scales, local top-k, ids
+            return kernels.dispatch_scatter(x_c, s_c, ti_c, tw_c, send_head, self._region_of(offset, x.device),
+                                            {r: (v, int(start[me, r])) for r, v in dests.items()}, n_local)
 
         mine = self._move(
-            "dispatch", x.device, CTRL_BYTES + slot * self._nvl_third, self._nvl_third, plans,
+            "dispatch", x.device, offset, self._nvl_third, plans,
             lambda r: [plans[r].span(f, start[me, r], start[me, r] + counts[me, r]) for f in plans[r].fields],
-            write,
+            lambda views, r: _write_rows(views, payload(r), int(start[me, r])),
             [(f, shape[1:], dtype) for f, (_, shape, dtype, _) in plans[me].fields.items()],
-            payload, counts[me], counts[:, me], place)
+            payload, counts[me], counts[:, me], place, write_all)
 
         recv_x = mine["x"] if x_scales is None else (mine["x"], mine["x_scales"])
         if cached:

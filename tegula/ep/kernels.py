@@ -28,48 +28,58 @@ def copy_rows_kernel(dtype: str):
 
 
 @tegula.jit(target="c")
-def dispatch_rows_kernel(word: str, W: int, sword: str, SW: int, K: int):
-    """One sender's rows into a dispatch receiver's arrays, from row r0: for i < N, with s = tok[i], d = r0 + i:
-    Y[d] = X[s] (W words), YS[d] = XS[s] (SW words; none if SW == 0), YI[d, k] = topk_idx[s, k] - first where
-    that lies in [0, n_local) and -1 elsewhere, YW[d, k] = topk_weights[s, k] there and 0 elsewhere (K columns;
-    none if K == 0), Ysrc[d] = s. Rows outside their tensors are skipped (checked once per row)."""
+def dispatch_scatter_kernel(word: str, W: int, sword: str, SW: int, K: int):
+    """Every token's row to every receiver at once (each row is read once, however many ranks it goes to): for
+    each token t and rank r with head[t, r] = h >= 0 and base[0, r] >= 0, into the flat ``window`` (views Yx, Ys,
+    Yi, Yw, Yz of it, rows allowed to start at any element): Yx row base[0, r] + h * W = X[t] (W words); Ys row
+    base[1, r] + h * SW = XS[t] (none if SW == 0); Yi / Yw rows base[2, r] + h * K / base[3, r] + h * K = the
+    top-k of t as rank r sees it, experts [r * n_local, (r + 1) * n_local) made local, -1 and weight 0 elsewhere
+    (none if K == 0); Yz[base[4, r] + h] = t. Every row is checked against its view once."""
     M = T.dynamic("M")
     Ms = T.dynamic("Ms")
     Mk = T.dynamic("Mk")
-    N = T.dynamic("N")
-    P = T.dynamic("P")
-    Ps = T.dynamic("Ps")
-    Pk = T.dynamic("Pk")
-    Pz = T.dynamic("Pz")
-    Kc = max(K, 1)
+    R = T.dynamic("R")
+    Px = T.dynamic("Px", "int64")
+    Ps = T.dynamic("Ps", "int64")
+    Pi = T.dynamic("Pi", "int64")
+    Pw = T.dynamic("Pw", "int64")
+    Pz = T.dynamic("Pz", "int64")
+    Sc, Kc = max(SW, 1), max(K, 1)
 
     @T.prim_func
-    def dispatch_rows(X: T.Tensor((M, W), word), XS: T.Tensor((Ms, max(SW, 1)), sword),
-                      topk_idx: T.Tensor((Mk, Kc), "int64"), topk_weights: T.Tensor((Mk, Kc), "float32"),
-                      tok: T.Tensor((N,), "int32"), Y: T.Tensor((P, W), word), YS: T.Tensor((Ps, max(SW, 1)), sword),
-                      YI: T.Tensor((Pk, Kc), "int64"), YW: T.Tensor((Pk, Kc), "float32"),
-                      Ysrc: T.Tensor((Pz,), "int32"), r0: T.int32, first: T.int64, n_local: T.int64):
-        with T.Kernel(N, threads=128) as i:
-            s = tok[i]
-            d = r0 + i
-            if s >= 0 and s < M and d >= 0 and d < P:
-                for j in T.Parallel(W):
-                    Y[d, j] = X[s, j]
-            if SW > 0:
-                if s >= 0 and s < Ms and d >= 0 and d < Ps:
-                    for j in T.Parallel(SW):
-                        YS[d, j] = XS[s, j]
-            if K > 0:
-                if s >= 0 and s < Mk and d >= 0 and d < Pk:
-                    for k in T.serial(K):
-                        e = topk_idx[s, k] - first
-                        keep = topk_idx[s, k] >= 0 and e >= 0 and e < n_local
-                        YI[d, k] = T.if_then_else(keep, e, T.int64(-1))
-                        YW[d, k] = T.if_then_else(keep, topk_weights[s, k], T.float32(0))
-            if d >= 0 and d < Pz:
-                Ysrc[d] = s
+    def dispatch_scatter(X: T.Tensor((M, W), word), XS: T.Tensor((Ms, Sc), sword), TI: T.Tensor((Mk, Kc), "int64"),
+                         TW: T.Tensor((Mk, Kc), "float32"), head: T.Tensor((M, R), "int32"),
+                         base: T.Tensor((5, R), "int64"), Yx: T.StridedTensor((Px, W), (1, 1), word),
+                         Ys: T.StridedTensor((Ps, Sc), (1, 1), sword), Yi: T.StridedTensor((Pi, Kc), (1, 1), "int64"),
+                         Yw: T.StridedTensor((Pw, Kc), (1, 1), "float32"), Yz: T.Tensor((Pz,), "int32"),
+                         n_local: T.int64):
+        with T.Kernel(M, threads=128) as t:
+            for r in T.serial(R):
+                h = T.cast(head[t, r], "int64")
+                if h >= 0 and base[0, r] >= 0:
+                    o = base[0, r] + h * W
+                    if o >= 0 and o < Px:
+                        for j in T.Parallel(W):
+                            Yx[o, j] = X[t, j]
+                    if SW > 0:
+                        os_ = base[1, r] + h * SW
+                        if t < Ms and os_ >= 0 and os_ < Ps:
+                            for j in T.Parallel(SW):
+                                Ys[os_, j] = XS[t, j]
+                    if K > 0:
+                        oi = base[2, r] + h * K
+                        ow = base[3, r] + h * K
+                        if t < Mk and oi >= 0 and oi < Pi and ow >= 0 and ow < Pw:
+                            for k in T.serial(K):
+                                e = TI[t, k] - r * n_local
+                                keep = TI[t, k] >= 0 and e >= 0 and e < n_local
+                                Yi[oi, k] = T.if_then_else(keep, e, T.int64(-1))
+                                Yw[ow, k] = T.if_then_else(keep, TW[t, k], T.float32(0))
+                    oz = base[4, r] + h
+                    if oz >= 0 and oz < Pz:
+                        Yz[oz] = t
 
-    return dispatch_rows
+    return dispatch_scatter
 
 
 @tegula.jit(target="c")
@@ -241,33 +251,46 @@ def copy_rows(x, src, dst, y) -> None:
     copy_rows_kernel(str(xv.dtype)[6:])(xv, src, dst, yv)
 
 
-def dispatch_rows(x, x_scales, topk_idx, topk_weights, tok, views, row0: int, first: int, n_local: int) -> bool:
-    """One sender's rows of a dispatch into a receiver's arrays ``views`` (x, x_scales, topk_idx, topk_weights,
-    src_idx) from row ``row0``, in one pass over the tokens ``tok`` (int32): each row, its scales, its top-k made
-    local to experts [first, first + n_local) (-1 and weight 0 elsewhere) and its token id. x_scales and the top-k
-    may be None. Returns False, doing nothing, where the compiled kernel does not serve (the caller moves the rows
-    another way)."""
+def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, dests, n_local: int) -> bool:
+    """Dispatch's rows into every receiver this rank writes, in one pass over its tokens (each row read once).
+    ``dests``: {rank r: (r's arrays x, x_scales, topk_idx, topk_weights, src_idx, all views of the uint8 tensor
+    ``window``; the row where this rank's rows begin there)}. Token t goes to r at that row + send_head[t, r]
+    (int32 [T, R], -1: not sent), with its scales, its top-k made local to r's experts [r * n_local, (r + 1) *
+    n_local) (-1 and weight 0 elsewhere) and its id. x_scales and the top-k may be None. Returns False, doing
+    nothing, where the compiled kernel does not serve (the caller moves the rows another way)."""
     import torch
-    if not _compiled(x):
+    if not _compiled(x) or window is None:
         return False
-    if tok.numel() == 0:
+    t, r_n = send_head.shape
+    if t == 0 or not dests:
         return True
-    row = x.shape[1] * x.element_size()
-    xv, yv = _word_view(x, row), _word_view(views["x"], row)
-    dummy_s = dummy_k = None
-    if x_scales is not None:
-        srow = x_scales.shape[1] * x_scales.element_size()
-        sv, ysv = _word_view(x_scales, srow), _word_view(views["x_scales"], srow)
-    else:
-        sv = ysv = dummy_s = torch.zeros((1, 1), dtype=torch.int32)
-    if topk_idx is not None:
-        ti, tw, yi, yw = topk_idx, topk_weights, views["topk_idx"], views["topk_weights"]
-    else:
-        dummy_k = torch.zeros((1, 1), dtype=torch.int64)
-        ti, yi, tw, yw = dummy_k, dummy_k, dummy_k.view(torch.float32)[:, :1], dummy_k.view(torch.float32)[:, :1]
-    k = dispatch_rows_kernel(str(xv.dtype)[6:], xv.shape[1], str(sv.dtype)[6:], 0 if dummy_s is not None else
-                             sv.shape[1], 0 if dummy_k is not None else ti.shape[1])
-    k(xv, sv, ti, tw.contiguous(), tok, yv, ysv, yi, yw, views["src_idx"], row0, first, n_local)
+    # each array as rows of words: x and its scales in the widest word dividing a row, the top-k as they are;
+    # an absent array is a one-word stand-in, never read (the kernel is built without it)
+    stand_in = torch.zeros((1, 1), dtype=torch.int32)
+    src = {"x": _word_view(x, x.shape[1] * x.element_size()),
+           "x_scales": stand_in if x_scales is None else _word_view(x_scales,
+                                                                     x_scales.shape[1] * x_scales.element_size()),
+           "topk_idx": stand_in.long() if topk_idx is None else topk_idx,
+           "topk_weights": stand_in.float() if topk_weights is None else topk_weights.contiguous()}
+    names = ("x", "x_scales", "topk_idx", "topk_weights", "src_idx")
+    width = {n: src[n].shape[1] for n in names[:4]}
+    width["src_idx"] = 1
+    win = {n: window.view(src[n].dtype) for n in names[:4]}
+    win["src_idx"] = window.view(torch.int32)
+    base = torch.full((5, r_n), -1, dtype=torch.int64)  # where row 0 of this rank's rows is at each receiver
+    for r, (views, row0) in dests.items():
+        for i, n in enumerate(names):
+            if n in views:
+                base[i, r] = (views[n].data_ptr() - window.data_ptr()) // win[n].element_size() + row0 * width[n]
+
+    def rows(n):  # rows of the window starting at every element
+        return win[n].as_strided((win[n].numel() - width[n] + 1, width[n]), (1, 1))
+
+    k = dispatch_scatter_kernel(str(src["x"].dtype)[6:], width["x"], str(src["x_scales"].dtype)[6:],
+                                0 if x_scales is None else width["x_scales"],
+                                0 if topk_idx is None else width["topk_idx"])
+    k(src["x"], src["x_scales"], src["topk_idx"], src["topk_weights"], send_head, base, rows("x"), rows("x_scales"),
+      rows("topk_idx"), rows("topk_weights"), win["src_idx"], n_local)
     return True
 
 

@@ -306,7 +306,7 @@ def case_killed(rank, world):
     if rank == 1:  # the rows go through the fused kernel, or gathered first where it does not serve
         import tegula.ep.buffer as impl
         import tegula.ep.kernels as kernels
-        fused, write = kernels.dispatch_rows, impl._write_rows
+        fused, write = kernels.dispatch_scatter, impl._write_rows
 
         def fused_then_die(*args):
             if fused(*args):
@@ -316,7 +316,7 @@ def case_killed(rank, world):
         def write_then_die(*args):
             write(*args)
             os.kill(os.getpid(), signal.SIGKILL)
-        kernels.dispatch_rows, impl._write_rows = fused_then_die, write_then_die
+        kernels.dispatch_scatter, impl._write_rows = fused_then_die, write_then_die
     t0 = time.monotonic()
     try:
         dispatch(buf, x, topk, w)

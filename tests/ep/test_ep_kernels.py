@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tegula.ep import kernels
-from tegula.ep.layout import dispatch_plan, localise
+from tegula.ep.layout import dispatch_plan, localise, send_lists
 
 needs_c = pytest.mark.skipif(not kernels._compiled(torch.zeros(1)), reason="no C compiler for the c kernels")
 
@@ -58,28 +58,41 @@ def test_gather_sum_without_rows_of_a():
 
 @needs_c
 @pytest.mark.parametrize("scales,k", [(None, 4), ((3, torch.float32), 8), (None, 0)])
-def test_dispatch_rows_writes_what_the_gathers_would(scales, k):
+def test_dispatch_scatter_writes_what_the_gathers_would(scales, k):
+    """Three receivers in one window (rank 1 is not written here), each from its own first row."""
     g = torch.Generator().manual_seed(k)
-    t, h, n_exp, r0, first, n_local = 23, 96, 16, 5, 4, 4
+    t, h, n_exp, n_local, r_n = 23, 96, 16, 4, 4
     x = torch.randn((t, h), generator=g).to(torch.bfloat16)
     xs = torch.randn((t, scales[0]), generator=g) if scales else None
     ti = torch.randint(-1, n_exp, (t, k), generator=g) if k else None
     tw = torch.rand((t, k), generator=g) if k else None
-    tok = torch.tensor([0, 2, 3, 7, 22, 9], dtype=torch.int32)
-    plan = dispatch_plan(r0 + len(tok) + 2, h, x.dtype, scales, k)
-    views = plan.views(torch.full((plan.nbytes,), 0x5A, dtype=torch.uint8))
-    before = {f: v.clone() for f, v in views.items()}
-    assert kernels.dispatch_rows(x, xs, ti, tw, tok, views, r0, first, n_local)
-    rows, sel = slice(r0, r0 + len(tok)), tok.long()
-    want = {"x": x[sel], "src_idx": tok}
-    if scales:
-        want["x_scales"] = xs[sel]
-    if k:
-        want["topk_idx"], want["topk_weights"] = localise(ti[sel], tw[sel], first, n_local)
-    assert set(want) == set(views)
-    for f, v in views.items():
-        assert torch.equal(v[rows], want[f]), f
-        assert torch.equal(v[:r0], before[f][:r0]) and torch.equal(v[rows.stop:], before[f][rows.stop:]), f
+    in_rank = torch.rand((t, r_n), generator=g) < 0.6
+    tokens, send_head = send_lists(in_rank)
+    plans = [dispatch_plan(5 + r + int(in_rank[:, r].sum()) + 2, h, x.dtype, scales, k) for r in range(r_n)]
+    at = [0]
+    for p in plans:
+        at.append(at[-1] + p.nbytes + 64)  # regions one after another, 64 bytes apart
+    window = torch.full((at[-1],), 0x5A, dtype=torch.uint8)
+    before = window.clone()
+    views = [p.views(window[at[r]:at[r] + p.nbytes]) for r, p in enumerate(plans)]
+    dests = {r: (views[r], 5 + r) for r in (0, 2, 3)}
+    assert kernels.dispatch_scatter(x, xs, ti, tw, send_head, window, dests, n_local)
+    for r in range(r_n):
+        if r not in dests:
+            assert torch.equal(window[at[r]:at[r + 1]], before[at[r]:at[r + 1]])
+            continue
+        row0, sel = 5 + r, tokens[r].long()
+        rows = slice(row0, row0 + len(sel))
+        want = {"x": x[sel], "src_idx": tokens[r]}
+        if scales:
+            want["x_scales"] = xs[sel]
+        if k:
+            want["topk_idx"], want["topk_weights"] = localise(ti[sel], tw[sel], r * n_local, n_local)
+        assert set(want) == set(views[r])
+        for f, v in views[r].items():
+            old = plans[r].views(before[at[r]:at[r] + plans[r].nbytes])[f]
+            assert torch.equal(v[rows], want[f]), (r, f)
+            assert torch.equal(v[:row0], old[:row0]) and torch.equal(v[rows.stop:], old[rows.stop:]), (r, f)
 
 
 def test_empty_reuses_a_mapping_only_once_nothing_refers_to_it():
