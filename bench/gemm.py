@@ -28,6 +28,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = [(m, n, k) for m in (1, 4, 16, 64) for n, k in ((7168, 2048), (2048, 7168))]
 DECODE_TILES = [(128, 32), (256, 64), (128, 128)]  # (block_N, block_K) tried per decode shape
+# (block_M, block_N, block_K) searched for 2048^3, the README's first
+TUNE_TILES = [(128, 128, 32), (128, 128, 64), (128, 128, 128), (128, 256, 64), (256, 128, 64), (64, 256, 128),
+              (256, 256, 32), (128, 256, 128), (256, 128, 128)]
 
 PEAK_C = r"""
 #include <omp.h>
@@ -153,6 +156,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer repeats, decode shapes with one tile config")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --threads 1: time in the calling thread's CPU time, for a machine shared with other work")
+    p.add_argument("--tuned-only", action="store_true",
+                   help="only the README tiles against the best of a tile search (the issue's 'within 10%%' row)")
+    p.add_argument("--no-widen-k", action="store_true",
+                   help="compile without the widen_gemm_k pass (one gemm call per block_K), to measure what it gives")
     args = p.parse_args()
     if args.cpu_time:
         if args.threads != 1:
@@ -168,6 +175,9 @@ def main() -> None:
 
     import tegula
 
+    if args.no_widen_k:
+        from tegula.passes import pipeline, widen_gemm_k
+        pipeline.PIPELINES["cpu"] = [p for p in pipeline.PIPELINES["cpu"] if p is not widen_gemm_k.run]
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from gemm import matmul
 
@@ -195,6 +205,40 @@ def main() -> None:
         tg, to, nu = gf["tegula"], gf.get("torch"), gf.get("numpy")
         print(f"{label:<16} {dtype:<9} {tile:<10} {cell(tg):>20} {cell(to):>20} {tg[0] / to[0]:8.2f} "
               f"{cell(nu):>20} {(f'{tg[0] / nu[0]:8.2f}' if nu else '       -')} {100 * tg[0] / pk:5.0f}%", flush=True)
+
+    def tuned(m, n, k, dtype):
+        """The README tiles against the best of TUNE_TILES (each timed 3 times, the best one then side by side)."""
+        td = getattr(torch, dtype)
+        a = torch.randn(m, k, generator=gen).to(td)
+        b = torch.randn(k, n, generator=gen).to(td)
+        c = torch.empty(m, n, dtype=td)
+        ref = a.float() @ b.float()
+        kerns, quick = {}, {}
+        for bm, bn, bk in TUNE_TILES:
+            kern, wall, cc = _compile(tegula, matmul, m, n, k, dtype, bm, bn, bk)
+            compile_s.append((wall, cc))
+            kern(a, b, c)
+            err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-2, f"{dtype} {bm}x{bn}x{bk}: relative error {err}"
+            kerns[(bm, bn, bk)] = kern
+            quick[(bm, bn, bk)] = side_by_side({"t": lambda: kern(a, b, c)}, 3, min_s)["t"][0]
+        best = min(quick, key=quick.get)
+        readme = TUNE_TILES[0]
+        fns = {"readme": lambda: kerns[readme](a, b, c), "best": lambda: kerns[best](a, b, c)}
+        res = side_by_side(fns, repeats, min_s)
+        gf = {name: tuple(2 * m * n * k / s / 1e9 for s in r) for name, r in res.items()}
+        order = ", ".join(f"{x[0]}x{x[1]}x{x[2]} {2 * m * n * k / quick[x] / 1e9:.0f}"
+                          for x in sorted(quick, key=quick.get))
+        print(f"{m}x{n}x{k} {dtype:<9} README {readme[0]}x{readme[1]}x{readme[2]} {cell(gf['readme'])}  best "
+              f"{best[0]}x{best[1]}x{best[2]} {cell(gf['best'])}  README/best {gf['readme'][0] / gf['best'][0]:.3f}",
+              flush=True)
+        print(f"  search (GFLOP/s, 3 samples each): {order}", flush=True)
+
+    if args.tuned_only:
+        print("README tiles against the best tiles of a search (GFLOP/s median [min-max])")
+        for dtype in ("float32", "bfloat16"):
+            tuned(2048, 2048, 2048, dtype)
+        return
 
     def run(label, m, n, k, dtype, tiles):
         td = getattr(torch, dtype)
@@ -229,6 +273,10 @@ def main() -> None:
     for m, n, k in DECODE:
         for dtype in ("float32", "bfloat16"):
             run(f"{m}x{n}x{k}", m, n, k, dtype, tiles)
+
+    print("README tiles against the best tiles of a search (GFLOP/s median [min-max])")
+    for dtype in ("float32", "bfloat16"):
+        tuned(2048, 2048, 2048, dtype)
 
     wall, cc = zip(*compile_s)
     print(f"cold compile (TEGULA_DISK_CACHE=0) of {len(wall)} kernels: wall median {statistics.median(wall):.2f} s "

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from tegula.passes import (check_program, distribute_threads, guard_global_access, infer_layouts, insert_barriers,
-                           lower_tile_ops, prefetch_pipelined)
+                           lower_tile_ops, prefetch_pipelined, widen_gemm_k)
 
 PIPELINES = {
     "interp": [check_program.run, guard_global_access.run],
-    "cpu": [check_program.run, guard_global_access.run, prefetch_pipelined.run, lower_tile_ops.run],
+    "cpu": [check_program.run, guard_global_access.run, widen_gemm_k.run, prefetch_pipelined.run, lower_tile_ops.run],
     "simt": [check_program.run, guard_global_access.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run,
              insert_barriers.run],
 }

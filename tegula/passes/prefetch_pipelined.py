@@ -67,7 +67,8 @@ def _insert(s, loop: S.For, env: dict):
 def _prefetch(c: S.Copy, loop: S.For, env: dict) -> S.Stmt:
     nxt = {id(loop.var): E.binop("+", loop.var, 1)}
     starts = [rewrite.substitute(rewrite.substitute(E.as_expr(x), env), nxt) for x in c.src.starts]
-    guard = E.compare("<", E.binop("+", loop.var, 1), loop.extent)
+    end = loop.extent if E.const_value(loop.start) == 0 else E.binop("+", loop.start, loop.extent)
+    guard = E.compare("<", E.binop("+", loop.var, 1), end)
     for x in starts:
         for sub in reversed(list(rewrite.sub_exprs(x))):  # inner loads first: && evaluates left to right
             if isinstance(sub, E.Load) and sub.buffer.is_global:
