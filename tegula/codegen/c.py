@@ -2,6 +2,7 @@
 per-thread aligned arrays, the innermost T.Parallel loop an ``omp simd`` loop, T.gemm a prelude call."""
 from __future__ import annotations
 
+from tegula.codegen.c_fuse import fuse
 from tegula.codegen.cfamily import STORAGE, CFamilyEmitter
 from tegula.errors import CompileError
 from tegula.ir import expr as E
@@ -16,8 +17,8 @@ class CEmitter(CFamilyEmitter):
             return ["#pragma GCC unroll 16"]
         red = s.annotations.get("reduction")
         if red is not None and _simd_safe(s.body):
-            op, var = red
-            return [f"#pragma omp simd reduction({op}:{self.nm(var)})"]
+            reds = [red] if isinstance(red[0], str) else red  # loops fused by c_fuse carry several
+            return ["#pragma omp simd " + " ".join(f"reduction({op}:{self.nm(var)})" for op, var in reds)]
         if s.kind == "parallel" and not isinstance(s.body, S.For) and _simd_safe(s.body):
             return ["#pragma omp simd"]
         return []
@@ -121,4 +122,4 @@ def emit_c(func: S.PrimFunc, symbols: list) -> str:
     for s in S.walk(func.body):
         if isinstance(s, S.Alloc) and not all(isinstance(d, int) for d in s.buffer.shape):
             raise CompileError("on-chip buffers need constant shapes on the c target", s.loc)
-    return CEmitter(func).emit(symbols)
+    return CEmitter(fuse(func)).emit(symbols)
