@@ -38,6 +38,35 @@ class JITKernel:
             return self._fast(*args)
         return self._generic(args, kwargs)
 
+    def bind(self, *args, vary=None):
+        """A launcher for many calls on arguments shaped like ``args``, for callers that check their own inputs.
+
+        ``args`` are checked as a call checks them (same errors; nothing is launched). The result ``launch(*ts)``
+        runs the kernel with the tensors ``ts`` in the positions ``vary`` (indices into ``args``; default: every
+        tensor) and ``args``' own values everywhere else: scalars, symbolic dims and the other tensors, which the
+        launcher keeps alive. ``launch`` checks nothing: each tensor (torch) must have the shape, strides, element
+        size and device of the one it replaces (its bits are read as the parameter's dtype); anything else is
+        undefined behaviour. Kernels with ``out_idx`` outputs cannot be bound. On the ``c`` target a launch is one
+        foreign call with the fixed arguments converted once (about half the time of a call's fast path);
+        elsewhere it is an ordinary call on the tensors viewed as the declared dtypes."""
+        if self.out_idx:
+            raise ValueError(f"bind: kernel {self.func.name} creates outputs (out_idx); pass them in to bind it")
+        ready = getattr(self.program, "ready", None)
+        if ready is not None:
+            ready()
+        full, symvals, _, _ = self.binder.bind(args, None)
+        tensors = [i for i, p in enumerate(self.func.params) if hasattr(p, "shape")]
+        vary = tensors if vary is None else list(vary)
+        if len(set(vary)) != len(vary) or any(i not in tensors for i in vary):
+            raise ValueError(f"bind: vary must list distinct tensor positions of {self.func.name}'s arguments "
+                             f"{tensors}, got {vary}")
+        fn = getattr(self.program, "fn", None)
+        lib = getattr(self.program, "lib", None)
+        if not self._pointer or fn is None or lib is None or getattr(fn, "argtypes", None) is None:
+            return _checked_launcher(self, full, vary)
+        return _pointer_launcher(lib[fn.__name__], fn.argtypes, full + list(symvals), vary,
+                                 f"<tegula bound launch {self.func.name}>")
+
     def _generic(self, args, kwargs):
         ready = getattr(self.program, "ready", None)
         if ready is not None:  # a device the kernel needs and this machine lacks: say so before anything else
@@ -82,3 +111,40 @@ def _as_numpy(a):
     if hasattr(a, "shape") or not isinstance(a, (int, float, bool)):
         return a
     return a
+
+
+def _checked_launcher(kernel, full, vary):
+    """Bound launches through an ordinary call; tensors of another dtype of the same width are viewed as the
+    declared one (as a pointer launch reads their bits)."""
+    from tegula.jit.binding import torch_dtype
+    full = [None if i in vary else a for i, a in enumerate(full)]   # hold no varying tensor
+    dtypes = [torch_dtype(kernel.func.params[i].dtype.name) for i in vary]
+
+    def launch(*ts):
+        args = list(full)
+        for i, t, d in zip(vary, ts, dtypes):
+            args[i] = t.view(d) if is_torch(t) and t.dtype != d else t
+        return kernel(*args)
+    return launch
+
+
+def _pointer_launcher(raw, argtypes, values, vary, name):
+    """A generated ``launch(t0, t1, ...)`` calling the foreign function ``raw`` (no argtypes: each argument goes
+    as it is, so fixed ones are converted here, once) with the tensors' addresses in the ``vary`` positions."""
+    import ctypes
+    env, parts = {"_raw": raw, "_vp": ctypes.c_void_p}, []
+    for i, (t, v) in enumerate(zip(argtypes, values)):
+        if i in vary:
+            parts.append(f"_vp(t{vary.index(i)}.data_ptr())")
+        elif t is ctypes.c_void_p:
+            env[f"_k{i}"] = (v, ctypes.c_void_p(_ptr(v)))   # the tensor too: it must outlive the launcher
+            parts.append(f"_k{i}[1]")
+        elif t is ctypes.c_int32 and type(v) is int:
+            parts.append(str(v))   # a plain int goes as a C int
+        else:
+            env[f"_k{i}"] = t(v)
+            parts.append(f"_k{i}")
+    params = ", ".join(f"t{j}" for j in range(len(vary)))
+    src = f"def launch({params}):\n    _raw({', '.join(parts)})\n"
+    exec(compile(src, name, "exec"), env)
+    return env["launch"]

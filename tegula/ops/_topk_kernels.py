@@ -609,40 +609,11 @@ def merge_kernel(bits, idx_dtype):
 
 
 _FACTORIES = {"rows": rows_kernel, "parts": parts_kernel, "merge": merge_kernel}
-_SYMBOLS = {"rows": ("batch", "n", "k"), "parts": ("batch", "n", "nseg", "wlen"),
-            "merge": ("batch", "nseg", "wlen", "k")}
 _JIT: dict = {}
 _KERNELS: dict = {}
 
 
-class Launcher:
-    """A compiled kernel and how to start it from the op layer, which has already checked every argument:
-    ``launcher(args, symbols)`` with the parameters in order and the symbolic dims in ``_SYMBOLS[kind]`` order.
-    Pointer targets get the tensors' addresses straight away (no per-call binding); the others (interp) get the
-    tensors viewed as the declared dtypes through the ordinary call."""
-
-    def __init__(self, kernel, symbol_names):
-        from tegula.jit.binding import torch_dtype
-        self.kernel, self.launch = kernel, getattr(kernel.program, "launch", None)
-        self.pointer = kernel.target.args == "pointer"
-        self.dtypes = [torch_dtype(p.dtype.name) if hasattr(p, "shape") else None for p in kernel.func.params]
-        self.tensors = [i for i, d in enumerate(self.dtypes) if d is not None]
-        order = [v.name for v in kernel.symbols]
-        self.perm = None if order == list(symbol_names) else [list(symbol_names).index(s) for s in order]
-
-    def __call__(self, args, symbols):
-        if self.perm is not None:
-            symbols = [symbols[i] for i in self.perm]
-        if self.pointer:
-            args = list(args)
-            for i in self.tensors:
-                args[i] = args[i].data_ptr()
-            self.launch(*args, *symbols)
-        else:
-            self.kernel(*[a.view(d) if d is not None and a.dtype != d else a for a, d in zip(args, self.dtypes)])
-
-
-def get(kind: str, target: str, *args) -> Launcher:
+def get(kind: str, target: str, *args):
     """The ``kind`` kernel ("rows", "parts", "merge") for ``target``, compiled by its tegula.jit factory once per
     argument tuple."""
     key = (kind, target, *args)
@@ -651,5 +622,14 @@ def get(kind: str, target: str, *args) -> Launcher:
         fac = _JIT.get((kind, target))
         if fac is None:
             fac = _JIT[(kind, target)] = tegula.jit(_FACTORIES[kind], target=target)
-        k = _KERNELS[key] = Launcher(fac(*args), _SYMBOLS[kind])
+        k = _KERNELS[key] = fac(*args)
     return k
+
+
+def bind(kernel, args, vary):
+    """``kernel.bind`` for the op layer, which has checked every argument and passes tensors of the input's own
+    dtype: they are bound as views of the kernel's declared dtypes (the raw bits), and launches take them as
+    they are."""
+    from tegula.jit.binding import torch_dtype
+    args = [a.view(torch_dtype(p.dtype.name)) if hasattr(p, "shape") else a for a, p in zip(args, kernel.func.params)]
+    return kernel.bind(*args, vary=vary)

@@ -55,6 +55,26 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     Runs on the target TEGULA_TARGET names, else the best available (c where a C compiler is found).
     Returns (values or None, indices), both (batch, topk).
     """
+    try:
+        plan = _LOCAL.plans[(input.shape, input.dtype, topk, indices_type, idx_oob_fill_value, value_oob_fill_value,
+                             end is None, output_idx is None, output_idx_offset is None,
+                             _ENV.get(_TARGET_VAR), _CACHE.get("threads"))]
+    except (KeyError, AttributeError, TypeError):
+        plan = None
+    # the key cannot tell 1 from True or 512.0 from 512: the types are checked here, the rest by the plan
+    if (plan is None or topk.__class__ is not int or idx_oob_fill_value.__class__ is not int
+            or sorted is not plan.sorted or sorted_index is not plan.sorted_index or begin is not None
+            or hint is not None or return_value is not plan.return_value
+            or abort_when_nan_found is not plan.abort):
+        plan = _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx,
+                         output_idx_offset, idx_oob_fill_value, value_oob_fill_value, return_value,
+                         abort_when_nan_found)
+    return plan(input, end, output_idx, output_idx_offset)
+
+
+def _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx, output_idx_offset,
+              idx_oob_fill_value, value_oob_fill_value, return_value, abort_when_nan_found):
+    """Check every argument as a first call must, and build (and cache in this thread) the plan for them."""
     import torch
 
     spec = _specs(torch).get(input.dtype) if isinstance(input, torch.Tensor) else None
@@ -70,11 +90,10 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         raise TypeError(f"topk: topk must be an int, got {type(topk).__name__}")
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"topk: topk must be in [1, {MAX_TOPK}], got {topk}")
-    if not (type(sorted) is type(sorted_index) is type(return_value) is type(abort_when_nan_found) is bool):
-        for name, v in (("sorted", sorted), ("sorted_index", sorted_index), ("return_value", return_value),
-                        ("abort_when_nan_found", abort_when_nan_found)):
-            if type(v) is not bool:
-                raise TypeError(f"topk: {name} must be a bool, got {type(v).__name__}")
+    for name, v in (("sorted", sorted), ("sorted_index", sorted_index), ("return_value", return_value),
+                    ("abort_when_nan_found", abort_when_nan_found)):
+        if type(v) is not bool:
+            raise TypeError(f"topk: {name} must be a bool, got {type(v).__name__}")
     if sorted and not return_value:
         raise ValueError("topk: sorted=True needs return_value=True")
     if sorted and sorted_index:
@@ -83,6 +102,7 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         raise ValueError("topk: begin is not supported (pass None, as DeepSelect requires)")
     if hint is not None:
         raise ValueError("topk: hint is not supported (pass None, as DeepSelect requires)")
+    key_idx_type = indices_type
     if indices_type is None:
         indices_type = torch.int64
     elif indices_type is not torch.int64 and indices_type is not torch.int32:
@@ -94,61 +114,104 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     batch, n = input.shape
     if n >= 2**31 - K.CHUNK:
         raise ValueError(f"topk: rows of {n} elements are too long (at most {2**31 - K.CHUNK - 1})")
-    if end is not None:
-        end = _row_vector(torch, end, "end", batch)
-    if output_idx_offset is not None:
-        output_idx_offset = _row_vector(torch, output_idx_offset, "output_idx_offset", batch)
-    dest = None
-    if output_idx is None:
-        indices = torch.empty((batch, topk), dtype=indices_type)
-    else:
-        if not isinstance(output_idx, torch.Tensor):
-            raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
-        if output_idx.dtype != indices_type:
-            raise TypeError(f"topk: output_idx has dtype {output_idx.dtype}, but indices_type is {indices_type}")
-        if output_idx.shape != (batch, topk):
-            raise ValueError(f"topk: output_idx must have shape {(batch, topk)}, got {tuple(output_idx.shape)}")
-        if not output_idx.is_cpu:
-            raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
-        indices = output_idx
-        if not output_idx.is_contiguous():
-            dest, indices = output_idx, torch.empty((batch, topk), dtype=indices_type)
-    # the kernels always write values; without return_value they go to this thread's scratch tensor
-    values = torch.empty((batch, topk), dtype=input.dtype) if return_value else _scratch(torch, batch, topk,
-                                                                                         input.dtype)
-    if batch == 0:
-        return (values if return_value else None), (output_idx if output_idx is not None else indices)
-    if not input.is_contiguous():
-        input = input.contiguous()
+    plan = _Plan(torch, input, topk, sorted, sorted_index, return_value, abort_when_nan_found, indices_type, spec,
+                 idx_oob_fill_value, value_oob_fill_value, end is not None, output_idx_offset is not None)
+    plans = getattr(_LOCAL, "plans", None)
+    if plans is None or len(plans) >= 64:
+        plans = _LOCAL.plans = {}
+    plans[(input.shape, input.dtype, topk, key_idx_type, idx_oob_fill_value, value_oob_fill_value, end is None,
+           output_idx is None, output_idx_offset is None, _ENV.get(_TARGET_VAR), _CACHE.get("threads"))] = plan
+    return plan
 
-    bits, inf_mag = spec
-    tgt = _current_target()
-    idx_name = "int64" if indices_type is torch.int64 else "int32"
-    b2 = min(max(topk, 512), K.B2MAX)
-    flags, status = _flags(torch)
-    fill = _fill_bits(torch, input.dtype, bits, value_oob_fill_value)
-    end_t = end if end is not None else _full(torch, batch, n)
-    off_t = output_idx_offset if output_idx_offset is not None else _full(torch, batch, 0)
-    nseg = _segments(batch, n)
-    if nseg == 1:
-        K.get("rows", tgt, bits, idx_name)((input, end_t, off_t, values, indices, flags, int(sorted), b2,
-                                            idx_oob_fill_value, fill, inf_mag), (batch, n, topk))
-    else:
+
+class _Plan:
+    """Everything that depends only on the shapes, dtypes and flags of a call: the kernels, bound once to this
+    thread's status words, the default ``end`` / offset vectors and the workspaces, so that a call checks only
+    the tensors it is given and launches."""
+
+    def __init__(self, torch, input, k, sorted, sorted_index, return_value, abort, indices_type, spec, idx_fill,
+                 value_fill, has_end, has_off):
+        self.sorted, self.sorted_index, self.return_value, self.abort = sorted, sorted_index, return_value, abort
+        self.torch, self.k, self.indices_type, self.dtype = torch, k, indices_type, input.dtype
+        self.batch, self.n = batch, n = input.shape
+        self.shape = (batch, k)
+        self.flags, self.words = _flags(torch)
+        self.status = self.words.view("int64")   # both words at once: nonzero when either is set
+        self.run = None
+        if batch == 0:
+            return
+        bits, inf_mag = spec
+        tgt = _current_target()
+        idx_name = "int64" if indices_type is torch.int64 else "int32"
+        b2 = min(max(k, 512), K.B2MAX)
+        fill = _fill_bits(torch, input.dtype, bits, value_fill)
+        x = input if input.is_contiguous() else torch.empty((batch, n), dtype=input.dtype)
+        end_t, off_t = _full(torch, batch, n), _full(torch, batch, 0)
+        vals = torch.empty(self.shape, dtype=input.dtype)
+        idx = torch.empty(self.shape, dtype=indices_type)
+        if not return_value:   # the kernels always write values: here to a scratch tensor of this plan's
+            self.scratch = vals
+        used = {"x": True, "e": has_end, "o": has_off, "v": return_value, "i": True}
+        nseg = _segments(batch, n)
+        if nseg == 1:
+            pos = {"x": 0, "e": 1, "o": 2, "v": 3, "i": 4}
+            vary = [pos[a] for a in pos if used[a]]
+            rows = K.bind(K.get("rows", tgt, bits, idx_name), (x, end_t, off_t, vals, idx, self.flags, int(sorted),
+                                                                b2, idx_fill, fill, inf_mag), vary)
+            names = ", ".join(a for a in pos if used[a])
+            self.run = eval(f"lambda x, e, o, v, i: rows({names})", {"rows": rows})
+            return
         seg = -(-n // nseg)
         seg = -(-seg // K.CHUNK) * K.CHUNK
         nseg = -(-n // seg)
-        wk = torch.empty((batch, nseg * topk), dtype=torch.int32)
-        wi = torch.empty((batch, nseg * topk), dtype=torch.int32)
+        wk = torch.empty((batch, nseg * k), dtype=torch.int32)
+        wi = torch.empty((batch, nseg * k), dtype=torch.int32)
         wm = torch.empty((batch, nseg), dtype=torch.int32)
-        K.get("parts", tgt, bits)((input, end_t, wk, wi, wm, topk, seg, b2), (batch, n, nseg, nseg * topk))
-        K.get("merge", tgt, bits, idx_name)((wk, wi, wm, end_t, off_t, values, indices, flags, n, int(sorted), b2,
-                                             idx_oob_fill_value, fill, inf_mag), (batch, nseg, nseg * topk, topk))
-    if status[0] or status[1]:
-        _check_status(status, indices, end, n, abort_when_nan_found)
-    if dest is not None:
-        dest.copy_(indices)
-        indices = dest
-    return (values if return_value else None), indices
+        parts = K.bind(K.get("parts", tgt, bits), (x, end_t, wk, wi, wm, k, seg, b2), [0, 1] if has_end else [0])
+        pos = {"e": 3, "o": 4, "v": 5, "i": 6}
+        merge = K.bind(K.get("merge", tgt, bits, idx_name), (wk, wi, wm, end_t, off_t, vals, idx, self.flags, n,
+                                                              int(sorted), b2, idx_fill, fill, inf_mag),
+                       [pos[a] for a in pos if used[a]])
+        names = ", ".join(a for a in pos if used[a])
+        self.run = eval(f"lambda x, e, o, v, i: (parts(x{', e' if has_end else ''}), merge({names}))",
+                        {"parts": parts, "merge": merge})
+
+    def __call__(self, input, end, output_idx, offset):
+        torch = self.torch
+        if not input.is_cpu:
+            raise ValueError(f"topk: input is on {input.device}; tegula's topk runs on the CPU")
+        if end is not None:
+            end = _row_vector(torch, end, "end", self.batch)
+        if offset is not None:
+            offset = _row_vector(torch, offset, "output_idx_offset", self.batch)
+        dest = None
+        if output_idx is None:
+            indices = torch.empty(self.shape, dtype=self.indices_type)
+        else:
+            if output_idx.__class__ is not torch.Tensor and not isinstance(output_idx, torch.Tensor):
+                raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
+            if output_idx.dtype != self.indices_type:
+                raise TypeError(f"topk: output_idx has dtype {output_idx.dtype}, but indices_type is "
+                                f"{self.indices_type}")
+            if output_idx.shape != self.shape:
+                raise ValueError(f"topk: output_idx must have shape {self.shape}, got {tuple(output_idx.shape)}")
+            if not output_idx.is_cpu:
+                raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
+            indices = output_idx
+            if not output_idx.is_contiguous():
+                dest, indices = output_idx, torch.empty(self.shape, dtype=self.indices_type)
+        values = torch.empty(self.shape, dtype=self.dtype) if self.return_value else None
+        if self.run is None:   # no rows
+            return values, (output_idx if output_idx is not None else indices)
+        if not input.is_contiguous():
+            input = input.contiguous()
+        self.run(input, end, offset, values, indices)
+        if self.status[0]:
+            _check_status(self.words, indices, end, self.n, self.abort)
+        if dest is not None:
+            dest.copy_(indices)
+            indices = dest
+        return values, indices
 
 
 def _check_status(status, indices, end, n, abort_when_nan_found):
@@ -183,6 +246,8 @@ _CACHE: dict = {}
 _TARGETS: dict = {}
 _FULL: dict = {}
 _LOCAL = threading.local()
+# TEGULA_TARGET as os.environ stores it (it is part of a plan's key): its own mapping, one dict lookup
+_ENV, _TARGET_VAR = getattr(os.environ, "_data", os.environ), getattr(os.environ, "encodekey", str)("TEGULA_TARGET")
 
 
 def _full(torch, batch, value):

@@ -269,3 +269,56 @@ def test_interp_agrees(monkeypatch, dtype, b, n, k, by_value):
     vi, ii = topk(x, k, sorted=by_value, end=end)
     check(x, k, vi, ii, end=end, by_value=by_value)
     assert torch.equal(ii, i) and torch.equal(vi.view(RAW[dtype]), v.view(RAW[dtype]))
+
+
+# plans: what a repeated call reuses ---------------------------------------------------------------------------
+
+def test_repeated_calls_reuse_a_plan_and_still_check_each_call():
+    x = torch.randn(2, 3000).to(BF16)
+    out = torch.empty(2, 40, dtype=torch.int64)
+    for _ in range(3):                       # new values, same shapes: the plan's bound kernel, right results
+        x = torch.randn(2, 3000).to(BF16)
+        v, i = topk(x, 40, output_idx=out)
+        assert i is out
+        check(x, 40, v, i)
+    assert v.data_ptr() != topk(x, 40, output_idx=out)[0].data_ptr()   # values are fresh on every call
+    with pytest.raises(TypeError, match="topk must be an int"):
+        topk(x, 40.0, output_idx=out)        # equal to 40 as a key, refused by type
+    with pytest.raises(TypeError, match="sorted must be a bool"):
+        topk(x, 40, sorted=0, output_idx=out)
+    with pytest.raises(TypeError, match="output_idx has dtype"):
+        topk(x, 40, output_idx=out.int())
+    with pytest.raises(ValueError, match="output_idx must have shape"):
+        topk(x, 40, output_idx=torch.empty(2, 41, dtype=torch.int64))
+    end = torch.tensor([3000, 10], dtype=torch.int32)
+    for e in (end, end.long()):              # the plan for end-given rows checks each end it is given
+        if e.dtype != torch.int32:
+            with pytest.raises(TypeError, match="end must have dtype"):
+                topk(x, 40, end=e)
+        else:
+            v, i = topk(x, 40, end=e)
+            check(x, 40, v, i, end=e)
+    wide = torch.randn(2, 6000).to(BF16)
+    v, i = topk(wide[:, ::2], 40)            # a strided input of a planned shape is copied, not misread
+    check(wide[:, ::2].contiguous(), 40, v, i)
+
+
+def test_plans_are_per_thread():
+    import threading
+    xs = [torch.randn(3, 20000).to(BF16) for _ in range(4)]
+    res, errors = {}, []
+
+    def work(t):
+        try:
+            for _ in range(5):
+                res[t] = topk(xs[t], 300, sorted=True)
+        except Exception as e:   # noqa: BLE001 (re-raised in the main thread)
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for t in range(4):
+        check(xs[t], 300, *res[t], by_value=True)
