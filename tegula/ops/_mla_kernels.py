@@ -25,6 +25,7 @@ import tegula.language as T
 
 LOG2E = math.log2(math.e)
 FP8_NOPE, FP8_TILE, FP8_ROPE = 512, 128, 64
+LAZY = 8.0   # log2 units a row maximum may pass the reference maximum before the output is rescaled
 FP8_BYTES = FP8_NOPE + 4 * (FP8_NOPE // FP8_TILE) + 2 * FP8_ROPE   # 656 bytes per token
 
 
@@ -149,6 +150,8 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
             grew = T.alloc_fragment((rb,), "float32")
             any_grew = T.alloc_fragment((1,), "float32")
             valid = T.alloc_fragment((BN,), "int32")
+            bias = T.alloc_fragment((BN,), "float32")
+            mt = T.alloc_fragment((rb,), "float32")
             lim = T.alloc_fragment((rb,), "int32")  # causal: the last key each row may see (bottom-right aligned)
 
             g = Sched[it, 0]
@@ -166,24 +169,32 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
             T.fill(acc, 0)
             T.fill(l_sum, 0)
             T.fill(m, neg_inf)
+            T.fill(mt, neg_inf)
 
             for k in T.Pipelined(T.ceildiv(end - start, BN), num_stages=num_stages):
                 t0 = start + k * BN
                 gather_keys(KVa, KVs, KVr, Tab, g, hk, start, k, end, valid, off, K_s, K_flat, Raw, sb, rs, hs, n_tok)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True)
+                for i in T.Parallel(BN):
+                    bias[i] = T.if_then_else(valid[i] != 0, 0.0, neg_inf)
                 if causal:
                     for r, i in T.Parallel(rb, BN):
-                        S[r, i] = T.if_then_else(valid[i] != 0 and t0 + i <= lim[r], S[r, i], neg_inf)
+                        S[r, i] = T.if_then_else(t0 + i <= lim[r], S[r, i] + bias[i], neg_inf)
                 else:
                     for r, i in T.Parallel(rb, BN):
-                        S[r, i] = T.if_then_else(valid[i] != 0, S[r, i], neg_inf)
+                        S[r, i] = S[r, i] + bias[i]
                 T.reduce_max(S, m_cur, dim=1)
+                # lazy rescaling: the reference maximum m moves only when a row's maximum passes it by more than
+                # LAZY (log2 units), so exponentials stay <= 2^LAZY and the output rarely needs rescaling
                 for r in T.Parallel(rb):
-                    m_new = T.max(m[r], m_cur[r])
+                    upd = m_cur[r] > m[r] and (m[r] == neg_inf or (m_cur[r] - m[r]) * sl2 > LAZY)
+                    m_new = T.if_then_else(upd, m_cur[r], m[r])
                     ms[r] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
-                    alpha[r] = T.exp2(m[r] * sl2 - ms[r])
-                    grew[r] = T.if_then_else(m_new > m[r], 1.0, 0.0)
+                    alpha[r] = T.if_then_else(upd, T.exp2(m[r] * sl2 - ms[r]), 1.0)
+                    grew[r] = T.if_then_else(upd, 1.0, 0.0)
                     m[r] = m_new
+                    if with_max:
+                        mt[r] = T.max(mt[r], m_cur[r])
                 for r, i in T.Parallel(rb, BN):
                     S[r, i] = T.exp2(S[r, i] * sl2 - ms[r])
                 T.reduce_sum(S, p_sum, dim=1)
@@ -191,7 +202,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
                     l_sum[r] = l_sum[r] * alpha[r] + p_sum[r]
                 T.copy(S, P_s)
                 T.reduce_max(grew, any_grew, dim=0)
-                if any_grew[0] > 0.0:   # the output rescales only when some row's maximum grew
+                if any_grew[0] > 0.0:   # the output rescales only when some row's reference maximum moved
                     for r, j in T.Parallel(rb, dv):
                         acc[r, j] *= alpha[r]
                 T.gemm(P_s, K_s[:, 0:dv], acc)
@@ -207,7 +218,7 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
                     Lse[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = T.if_then_else(
                         l_sum[r] == 0.0, T.infinity("float32"), m[r] * scale + T.log(l_sum[r]))
                     if with_max:
-                        MaxL[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = m[r] * scale
+                        MaxL[g, hk, (r0 + r) % hpk, (r0 + r) // hpk] = mt[r] * scale
             else:
                 for r, j in T.Parallel(rb, dv):
                     Opart[slot, hk, r0 + r, j] = acc[r, j] * T.if_then_else(l_sum[r] == 0.0, 0.0, 1.0 / l_sum[r])

@@ -160,6 +160,37 @@ def test_dense_decode_fp8_cache_and_scale():
     check("lse", lse, rl, 1e-6, 8.01 / 65536)
 
 
+@pytest.mark.parametrize("step", [0.02, 0.2])
+def test_decode_and_prefill_with_growing_scores(step):
+    """Scores that climb (or fall, per head) along the keys by ``step`` per key: the running maxima move by less
+    (0.02: ~1.8 log2 units per tile) or more (0.2: ~18) than the kernels' lazy-rescaling margin within a tile,
+    so the output is rescaled at many tiles; both must match the reference."""
+    b, s_q, h_q, d, dv, ps = 2, 1, 16, 576, 512, 64
+    lens = torch.tensor([1000, 300], dtype=torch.int32)
+    cache, block_table = paged_cache(b, 1000, lens, ps, 1, d, torch.bfloat16)
+    ramp = torch.arange(b * 1000 // ps * ps + ps).float() * step
+    for i in range(b):   # key t of sequence i gets step * t in dim 0
+        for p in range(-(-int(lens[i]) // ps)):
+            cache[block_table[i, p].long(), :, 0, 0] = ramp[p * ps:(p + 1) * ps].bfloat16()
+    q = query((b, s_q, h_q, d), torch.bfloat16)
+    q[..., 0] = torch.where(torch.arange(h_q) % 3 == 0, -1.0, 1.0).bfloat16()   # a third of the heads fall
+    out, lse = A.flash_mla_with_kvcache(q, cache, block_table, lens, dv, None, softmax_scale=1.0)
+    ro, rl = ref_dense(q, cache, block_table, lens, dv, False, 1.0)
+    check("out", out, ro.bfloat16(), 8e-4, 2.01 / 128, 5e-6)
+    check("lse", lse, rl, 1e-6, 8.01 / 65536)
+    s_kv, topk = 400, 256
+    kv = query((s_kv, 1, d), torch.bfloat16)
+    kv[:, 0, 0] = (torch.arange(s_kv).float() * step).bfloat16()
+    qp = query((8, h_q, d), torch.bfloat16)
+    qp[..., 0] = q[0, 0, :, 0]
+    idx = torch.stack([torch.randperm(s_kv)[:topk].sort().values for _ in range(8)]).int()
+    out, max_logits, lse = A.flash_mla_sparse_fwd(qp, kv, idx.view(8, 1, topk), 1.0, dv)
+    ro, rl, rmax = ref_sparse(qp, kv.view(s_kv, d), idx, None, dv, 1.0, None, s_kv)
+    check("prefill out", out.float(), ro, 8e-4, 3.01 / 128, 7e-6)
+    check("prefill lse", lse, rl, 1e-6, 2.01 / 65536)
+    check("prefill max_logits", max_logits, rmax, 1e-6, 2.01 / 65536)
+
+
 def test_dense_decode_interp(interp):
     b, s_q, h_q, d, dv, ps = 2, 2, 4, 80, 64, 16
     lens = torch.tensor([37, 1], dtype=torch.int32)
