@@ -41,6 +41,12 @@ CONSTANT_CALLS = [
     ("f8e4m3", 128, 128, 32, 0, 1),
     ("i8", 128, 64, 32, 1, 0),
     ("i8", 16, 256, 256, 0, 1),
+    # few rows, B transposed: the dot-product path (tg__gemm_dot) where vdpbf16ps exists
+    ("f8e4m3", 1, 64, 128, 0, 1),
+    ("f8e4m3", 4, 64, 128, 0, 1),
+    ("f8e5m2", 8, 40, 200, 0, 1),
+    ("bf16", 1, 64, 7168, 0, 1),
+    ("bf16", 16, 33, 1100, 0, 1),
 ]
 SHAPES = [
     (1, 128, 128),
@@ -222,12 +228,45 @@ def test_gemm_fp8_every_code(lib, dt):
     a = codes.reshape(16, 16).numpy().copy()
     one = torch.tensor([1.0]).to(tdt).view(torch.uint8).item()
     b = (np.eye(16, dtype=np.uint8) * one).copy()
+    want = codes.view(tdt).float().reshape(16, 16).numpy()
     for ta, tb in [(0, 0), (1, 1)]:
         c = np.zeros((16, 16), np.float32)
         p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
         getattr(lib, f"g_{dt}")(16, 16, 16, p[0], 16, ta, p[1], 16, tb, p[2], 16, 1)
-        want = codes.view(tdt).float().reshape(16, 16).numpy()
         np.testing.assert_array_equal(c, want.T if ta else want, err_msg=f"transA={ta}")
+    for rows in (1, 4, 8):  # B transposed, few rows: the dot-product path converts both operands alike
+        c = np.zeros((16, 16), np.float32)
+        for r0 in range(0, 16, rows):
+            p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a[r0:], b, c[r0:])]
+            getattr(lib, f"g_{dt}")(rows, 16, 16, p[0], 16, 0, p[1], 16, 1, p[2], 16, 1)
+        np.testing.assert_array_equal(c, want, err_msg=f"nt, {rows} rows per call")
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gemm_few_rows_transposed_b(lib, dt):
+    """The shapes of the dot-product path (M <= 8, bf16 to 16; B transposed) and its edges: each row-block size
+    (8, 4, 2, 1) and their mixes, column blocks cut short (N not a multiple of 16 / rows), K tails around a
+    vector of 64 and across the 1024-element chunks of A; then the packing path just past the limits."""
+    rng = np.random.default_rng(3)
+    fn = getattr(lib, f"g_{dt}")
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17):
+        for n, k in [(1, 1), (17, 63), (33, 64), (5, 65), (16, 200), (19, 512), (3, 1100), (9, 2049)]:
+            for clear in (0, 1):
+                _check(fn, dt, m, n, k, 0, 1, clear, rng)
+
+
+def test_gemm_few_rows_is_deterministic(lib):
+    """The same call twice gives the same bits (fixed summation order)."""
+    rng = np.random.default_rng(4)
+    a, _ = _operand("f8e4m3", 3, 1100, PAD_A, rng)
+    b, _ = _operand("f8e4m3", 70, 1100, PAD_B, rng)
+    out = []
+    for _ in range(2):
+        c = np.zeros((3, 70), np.float32)
+        p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
+        lib.g_f8e4m3(3, 70, 1100, p[0], a.shape[1], 0, p[1], b.shape[1], 1, p[2], 70, 1)
+        out.append(c)
+    np.testing.assert_array_equal(out[0].view(np.int32), out[1].view(np.int32))
 
 
 def test_gemm_next_prefetches_without_changing_the_result(lib):

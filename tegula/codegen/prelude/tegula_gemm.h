@@ -18,7 +18,11 @@
  *                     __AVX512VNNI__, everything else converted to fp32 panels;
  *   AVX2 + FMA        6 x 16 blocks of ymm, fp32 panels;
  *   anything else     portable C (NEON, SSE, scalar: gcc/clang vectorise the column loops), 4 x 16.
- * The work is GotoBLAS-like, sized for tiles already in L1/L2: B in panels of at most KC x 128,
+ * With vdpbf16ps, few rows (M <= 8; bf16 up to 16) and B transposed (B is N x K, K contiguous, as in a
+ * decode step's x @ W^T), the product is instead a set of dot products along K read straight from B
+ * (tg__gemm_dot: no packing of B, each 64 elements of a row of B converted once in registers for all rows
+ * of A, a horizontal sum per output at the end). Otherwise
+ * the work is GotoBLAS-like, sized for tiles already in L1/L2: B in panels of at most KC x 128,
  * A in panels of at most 64 x KC, a kernel per register block over one panel pair. fp32 operands
  * are read in place where the kernel can (A always, B unless transposed, on AVX-512); the others
  * are packed into the kernel's format (converting, interleaving, 16 x 16 transposes in registers).
@@ -46,6 +50,39 @@ enum { TG__DT_F32, TG__DT_F16, TG__DT_BF16, TG__DT_E4M3, TG__DT_E5M2, TG__DT_I8 
 enum { TG__F32, TG__BF16, TG__I8 }; /* panel formats: 1, 2 or 4 elements of K per 32-bit unit */
 
 TG__ALWAYS_INLINE int tg__esize(int dt) { return dt == TG__DT_F32 ? 4 : dt <= TG__DT_BF16 ? 2 : 1; }
+
+/* Tiles the caller reads next (the sources of the next step's copies in a pipelined loop): their cache
+ * lines are prefetched a few at a time between register blocks, so that those loads overlap this product. */
+typedef struct {
+    const void *p; /* first byte of the first row */
+    long ld;       /* bytes between rows */
+    int rows, bytes;
+} tg_gemm_next;
+
+typedef struct {
+    const char *p[2];
+    long ld[2];
+    int per_row[2], lines[2], l[2], step;
+} tg__pf;
+
+TG__ALWAYS_INLINE void tg__pf_init(tg__pf *s, const tg_gemm_next *nx, int blocks)
+{
+    int total = 0;
+    for (int t = 0; t < 2; t++) {
+        s->p[t] = (const char *)nx[t].p, s->ld[t] = nx[t].ld, s->l[t] = 0;
+        s->per_row[t] = (nx[t].bytes + 63) / 64 + 1; /* rows need not start on a line */
+        s->lines[t] = nx[t].p ? s->per_row[t] * nx[t].rows : 0;
+        total += s->lines[t];
+    }
+    s->step = (total + blocks - 1) / (blocks > 0 ? blocks : 1);
+}
+
+TG__ALWAYS_INLINE void tg__pf_step(tg__pf *s)
+{
+    for (int t = 0, n = s->step; t < 2; t++)
+        for (; n > 0 && s->l[t] < s->lines[t]; n--, s->l[t]++)
+            __builtin_prefetch(s->p[t] + (s->l[t] / s->per_row[t]) * s->ld[t] + 64 * (s->l[t] % s->per_row[t]));
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "tegula_gemm_avx512.h"
@@ -178,39 +215,6 @@ TG__ALWAYS_INLINE void tg__kernel(int fmt, int ROWS, int units, int tail, const 
 #define TG__HAVE_I8_QUADS 0
 #endif
 
-/* Tiles the caller reads next (the sources of the next step's copies in a pipelined loop): their cache
- * lines are prefetched a few at a time between register blocks, so that those loads overlap this product. */
-typedef struct {
-    const void *p; /* first byte of the first row */
-    long ld;       /* bytes between rows */
-    int rows, bytes;
-} tg_gemm_next;
-
-typedef struct {
-    const char *p[2];
-    long ld[2];
-    int per_row[2], lines[2], l[2], step;
-} tg__pf;
-
-TG__ALWAYS_INLINE void tg__pf_init(tg__pf *s, const tg_gemm_next *nx, int blocks)
-{
-    int total = 0;
-    for (int t = 0; t < 2; t++) {
-        s->p[t] = (const char *)nx[t].p, s->ld[t] = nx[t].ld, s->l[t] = 0;
-        s->per_row[t] = (nx[t].bytes + 63) / 64 + 1; /* rows need not start on a line */
-        s->lines[t] = nx[t].p ? s->per_row[t] * nx[t].rows : 0;
-        total += s->lines[t];
-    }
-    s->step = (total + blocks - 1) / (blocks > 0 ? blocks : 1);
-}
-
-TG__ALWAYS_INLINE void tg__pf_step(tg__pf *s)
-{
-    for (int t = 0, n = s->step; t < 2; t++)
-        for (; n > 0 && s->l[t] < s->lines[t]; n--, s->l[t]++)
-            __builtin_prefetch(s->p[t] + (s->l[t] / s->per_row[t]) * s->ld[t] + 64 * (s->l[t] % s->per_row[t]));
-}
-
 TG__ALWAYS_INLINE int tg__fmt(int dt)
 {
     if (TG__HAVE_BF16_PAIRS && (dt == TG__DT_BF16 || dt == TG__DT_E4M3 || dt == TG__DT_E5M2))
@@ -258,6 +262,58 @@ TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, 
 #undef TG__K
 }
 
+#if TG__HAVE_BF16_PAIRS
+/* Few rows of A, B transposed (its rows are columns of C, K contiguous), bf16 or fp8: dot products along K
+ * read straight from B, which is neither packed nor transposed (at M = 1..8 that packing costs more than the
+ * products). A is converted to bf16 once per chunk of K; row blocks of 8, 4, 2, 1 (tg__dot_rows). Each
+ * output ends with a horizontal sum (~3 instructions), so the path pays where M is small or K long:
+ * M <= 8, or bf16 (no conversion of B) up to M = 16 with K >= 512 (measured, decode shapes). */
+enum { TG__DOT_KC = 1024 }; /* K per packed chunk of A */
+TG__ALWAYS_INLINE int tg__use_dot(int dt, int M, int K) { return M <= 8 || (dt == TG__DT_BF16 && M <= 16 && K >= 512); }
+
+TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, int lda, const void *B, int ldb,
+                                    float *C, int ldc, int clear, const tg_gemm_next *next)
+{
+    const int es = tg__esize(dt);
+    uint16_t abuf[16 * TG__DOT_KC] __attribute__((aligned(64)));
+    tg__pf pf;
+    if (next) { /* one prefetch step per column block */
+        int blocks = 0;
+        for (int r = M, R = 8; r > 0; R /= 2)
+            for (; r >= R; r -= R)
+                blocks += (N + 16 / R - 1) / (16 / R);
+        tg__pf_init(&pf, next, blocks * ((K + TG__DOT_KC - 1) / TG__DOT_KC));
+    }
+    for (int k0 = 0; k0 < K; k0 += TG__DOT_KC) {
+        const int kc = TG__MIN(TG__DOT_KC, K - k0), ld = TG__ROUND(kc, 64), first = clear && k0 == 0;
+        for (int r = 0; r < M; r++)
+            for (int k = 0; k < kc; k += 64) {
+                __m512i x0, x1;
+                tg__load64_bf16(dt, (const char *)A + ((long)r * lda + k0 + k) * es, kc - k, &x0, &x1);
+                _mm512_store_si512(abuf + r * ld + k, x0);
+                _mm512_store_si512(abuf + r * ld + k + 32, x1);
+            }
+        const char *b = (const char *)B + (long)k0 * es;
+        int i = 0;
+#define TG__DROWS(R) tg__dot_rows(dt, R, N, kc, abuf + i * ld, ld, b, (long)ldb * es, C + (long)i * ldc, ldc, first, \
+                                  next ? &pf : NULL)
+        for (; i + 8 <= M; i += 8)
+            TG__DROWS(8);
+        if (M - i >= 4) {
+            TG__DROWS(4);
+            i += 4;
+        }
+        if (M - i >= 2) {
+            TG__DROWS(2);
+            i += 2;
+        }
+        if (M - i)
+            TG__DROWS(1);
+#undef TG__DROWS
+    }
+}
+#endif
+
 /* The one driver behind every tg_gemm_<dt>; dt is a constant at every call. */
 TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
                                 int ldb, int transB, void *C, int ldc, int clear, const tg_gemm_next *next)
@@ -275,6 +331,12 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
             memset((char *)C + 4L * i * ldc, 0, 4L * N);
         return;
     }
+#if TG__HAVE_BF16_PAIRS
+    if (fmt == TG__BF16 && transB && !transA && tg__use_dot(dt, M, K)) {
+        tg__gemm_dot(dt, M, N, K, A, lda, B, ldb, (float *)C, ldc, clear, next);
+        return;
+    }
+#endif
     tg__pf pf;
     if (next)
         tg__pf_init(&pf, next, ((M + TG_GEMM_MR - 1) / TG_GEMM_MR) * ((N + TG_GEMM_NR - 1) / TG_GEMM_NR));

@@ -111,40 +111,50 @@ static inline void tg__pack_cols_f32(int dt, float *dst, long ldd, const void *s
 #ifdef __AVX512BF16__
 #define TG__HAVE_BF16_PAIRS 1
 
+#ifdef __AVX512VBMI__
+/* e4m3 -> bf16 by table: the high and low byte of bf16(|x|) for each of the 128 codes of |x| (vpermi2b reads
+ * only the low 7 bits of an index, so the sign bit needs no masking; it is or-ed into the high byte) */
+static const uint8_t tg__e4m3_hi8[128] __attribute__((aligned(64))) = {
+    0x00, 0x3b, 0x3b, 0x3b, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c,
+    0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d,
+    0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e,
+    0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x7f};
+static const uint8_t tg__e4m3_lo8[128] __attribute__((aligned(64))) = {
+    0x00, 0x00, 0x80, 0xc0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xc0};
+
+/* 64 e4m3 codes -> the low bytes (*lo) and high bytes (*hi) of their bf16 values, byte for byte */
+TG__ALWAYS_INLINE void tg__e4m3_bytes(__m512i x, __m512i *lo, __m512i *hi)
+{
+    __m512i h = _mm512_permutex2var_epi8(_mm512_load_si512(tg__e4m3_hi8), x, _mm512_load_si512(tg__e4m3_hi8 + 64));
+    *lo = _mm512_permutex2var_epi8(_mm512_load_si512(tg__e4m3_lo8), x, _mm512_load_si512(tg__e4m3_lo8 + 64));
+    *hi = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi8((char)0x80), 0xf8); /* h | (x & 0x80) */
+}
+#endif
+
 /* the first n <= 32 elements at p (bf16 or fp8) as bf16 words, zeros past n */
 TG__ALWAYS_INLINE __m512i tg__load32_bf16(int dt, const void *p, int n)
 {
     if (dt == TG__DT_BF16)
         return _mm512_maskz_loadu_epi16(tg__m32(n), p);
 #ifdef __AVX512VBMI__
-    if (dt == TG__DT_E4M3) { /* bf16 bytes of |x| from two 128-entry tables (vpermi2b), sign or-ed in: 5x cheaper */
-        static const uint8_t hi8[128] __attribute__((aligned(64))) = {
-            0x00, 0x3b, 0x3b, 0x3b, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c,
-            0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d,
-            0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e,
-            0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f,
-            0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
-            0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
-            0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
-            0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x7f};
-        static const uint8_t lo8[128] __attribute__((aligned(64))) = {
-            0x00, 0x00, 0x80, 0xc0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0,
-            0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xc0};
+    if (dt == TG__DT_E4M3) { /* two table lookups (vpermi2b) and an interleave: 5x cheaper than via fp32 */
         static const uint8_t pairs[64] __attribute__((aligned(64))) = { /* low byte i, high byte i: word i */
             0,  64, 1,  65, 2,  66, 3,  67, 4,  68, 5,  69, 6,  70, 7,  71, 8,  72, 9,  73, 10, 74,
             11, 75, 12, 76, 13, 77, 14, 78, 15, 79, 16, 80, 17, 81, 18, 82, 19, 83, 20, 84, 21, 85,
             22, 86, 23, 87, 24, 88, 25, 89, 26, 90, 27, 91, 28, 92, 29, 93, 30, 94, 31, 95};
-        __m512i x = _mm512_maskz_loadu_epi8((__mmask64)tg__m32(n), p);
-        __m512i mag = _mm512_and_si512(x, _mm512_set1_epi8(0x7f));
-        __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(hi8), mag, _mm512_load_si512(hi8 + 64));
-        __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(lo8), mag, _mm512_load_si512(lo8 + 64));
-        hi = _mm512_ternarylogic_epi32(hi, x, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (x & 0x80) */
+        __m512i lo, hi;
+        tg__e4m3_bytes(_mm512_maskz_loadu_epi8((__mmask64)tg__m32(n), p), &lo, &hi);
         return _mm512_permutex2var_epi8(lo, _mm512_load_si512(pairs), hi);
     }
 #endif
@@ -194,6 +204,87 @@ static inline void tg__pack_pairs(int dt, uint16_t *dst, long ldd, const void *s
             for (int r = 0; r < 16 && p0 + r < P; r++)
                 _mm512_storeu_si512(dst + 2 * ((p0 + r) * ldd + x0), v[r]);
         }
+}
+
+/* ---- dot products along K (tg__gemm_dot) ----------------------------------------------------- */
+
+/* The first n <= 64 elements at p (bf16 or fp8) as bf16 words in two vectors, zeros past n. The
+ * elements come in an order of their own (e4m3 with VBMI: the low and high bytes of the table lookup
+ * interleaved 128 bits at a time, elements 16L + 0..7 of each 128-bit lane L in *x0, 16L + 8..15 in *x1);
+ * a dot product of two operands both loaded so is the same sum. */
+TG__ALWAYS_INLINE void tg__load64_bf16(int dt, const void *p, int n, __m512i *x0, __m512i *x1)
+{
+#ifdef __AVX512VBMI__
+    if (dt == TG__DT_E4M3) {
+        __m512i lo, hi;
+        tg__e4m3_bytes(_mm512_maskz_loadu_epi8(tg__m64(n), p), &lo, &hi);
+        *x0 = _mm512_unpacklo_epi8(lo, hi);
+        *x1 = _mm512_unpackhi_epi8(lo, hi);
+        return;
+    }
+#endif
+    *x0 = tg__load32_bf16(dt, p, n);
+    *x1 = tg__load32_bf16(dt, (const char *)p + 32 * tg__esize(dt), n - 32);
+}
+
+/* One vector whose lane e is the sum of v[e]'s 16 lanes: a reduction tree of 45 instructions. */
+TG__ALWAYS_INLINE __m512 tg__hsum16(const __m512 v[16])
+{
+    __m512 w[8], z[4], y[2];
+    for (int j = 0; j < 8; j++) /* 128-bit lane L of w[j]: lane-L partial sums of v[2j], v[2j + 1], twice */
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int k = 0; k < 4; k++) { /* lane L, element p of z[k]: the lane-L sum of v[4k + p] */
+        __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        z[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int t = 0; t < 2; t++) /* lanes of y[t]: halves of z[2t], then of z[2t + 1] */
+        y[t] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * t], z[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(z[2 * t], z[2 * t + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+/* C[ROWS x N] (+)= A[ROWS x kc] B^T, B's rows (columns of C) ldb bytes apart, K contiguous: ROWS x 16 / ROWS
+ * accumulators; each 64 elements of K of a column of B are loaded once (tg__load64_bf16) for every row. A is
+ * packed: row r's elements k..k+63, loaded the same way, at a + r * lda + k (two vectors). */
+TG__ALWAYS_INLINE void tg__dot_rows(int dt, int ROWS, int N, int kc, const uint16_t *a, long lda, const char *B,
+                                    long ldb, float *C, long ldc, int first, tg__pf *pf)
+{
+    const int COLS = 16 / ROWS, es = tg__esize(dt), kfull = kc & ~63;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int j0 = 0; j0 < N; j0 += COLS) {
+        const char *b = B + (long)j0 * ldb;
+        long cl[16]; /* byte offsets of the block's columns; past N, column N - 1 again (masked at the end) */
+        for (int c = 0; c < COLS; c++)
+            cl[c] = (j0 + c < N ? c : N - 1 - j0) * ldb;
+        __m512 acc[16];
+        for (int e = 0; e < 16; e++)
+            acc[e] = _mm512_setzero_ps();
+#define TG__DSTEP(N)                                                                               \
+        for (int c = 0; c < COLS; c++) {                                                           \
+            __m512i b0, b1;                                                                        \
+            tg__load64_bf16(dt, b + cl[c] + (long)k * es, N, &b0, &b1);                            \
+            for (int r = 0; r < ROWS; r++) {                                                       \
+                const __m512bh *ar = (const __m512bh *)(a + r * lda + k);                          \
+                acc[r * COLS + c] = _mm512_dpbf16_ps(acc[r * COLS + c], ar[0], (__m512bh)b0);      \
+                acc[r * COLS + c] = _mm512_dpbf16_ps(acc[r * COLS + c], ar[1], (__m512bh)b1);      \
+            }                                                                                      \
+        }
+        int k = 0;
+        for (; k < kfull; k += 64)
+            TG__DSTEP(64)
+        if (k < kc)
+            TG__DSTEP(kc - k)
+#undef TG__DSTEP
+        __m512 sum = tg__hsum16(acc); /* lane r * COLS + c: row r, column j0 + c */
+        __mmask16 m = tg__m16(N - j0 < COLS ? N - j0 : COLS);
+        for (int r = 0; r < ROWS; r++) {
+            __m512 v = ROWS == 1 ? sum : _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(r * COLS)), sum);
+            float *c = C + r * ldc + j0;
+            _mm512_mask_storeu_ps(c, m, first ? v : _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, c)));
+        }
+        if (pf)
+            tg__pf_step(pf);
+    }
 }
 #endif
 
