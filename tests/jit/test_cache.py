@@ -97,6 +97,60 @@ def test_changed_emitted_source_misses_the_disk_cache(fresh_cache, monkeypatch):
     assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
 
 
+def gemm_kernel(n):
+    @T.prim_func
+    def main(A: T.Tensor((n, n), "float32"), B: T.Tensor((n, n), "float32"), C: T.Tensor((n, n), "float32")):
+        with T.Kernel(1):
+            A_s = T.alloc_shared((n, n), "float32")
+            B_s = T.alloc_shared((n, n), "float32")
+            C_l = T.alloc_fragment((n, n), "float32")
+            T.copy(A, A_s)
+            T.copy(B, B_s)
+            T.gemm(A_s, B_s, C_l, clear_accum=True)
+            T.copy(C_l, C)
+    return main
+
+
+def _gch(root):
+    return glob.glob(os.path.join(str(root), "pch", "*", "tg_prelude.h.gch"))
+
+
+def _check_gemm(n):
+    a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
+    np.testing.assert_allclose(tegula.compile(gemm_kernel(n), out_idx=[-1], target="c")(a, b), a @ b, rtol=1e-5)
+
+
+@pytest.mark.skipif("clang" in cpu._compiler_info(cpu.compiler())[0].lower(), reason="the .gch is gcc's")
+def test_gemm_kernels_share_one_precompiled_prelude(fresh_cache):
+    _check_gemm(16)
+    (gch,) = _gch(fresh_cache)
+    mtime = os.path.getmtime(gch)
+    _check_gemm(24)  # another GEMM kernel reuses it
+    assert _gch(fresh_cache) == [gch] and os.path.getmtime(gch) == mtime
+    tegula.compile(scale_kernel(8, 2.0), out_idx=[-1], target="c")  # no GEMM headers: none needed
+    assert _gch(fresh_cache) == [gch]
+    src = tegula.lower(gemm_kernel(16), target="c").kernel_source
+    assert cpu.precompiled_header(src) == gch[:-4]
+    assert cpu.precompiled_header(tegula.lower(scale_kernel(8, 2.0), target="c").kernel_source) is None
+
+
+def test_unusable_or_unbuildable_precompiled_header_falls_back(fresh_cache):
+    _check_gemm(16)
+    for gch in _gch(fresh_cache):  # a .gch gcc cannot use: it reads the headers instead
+        with open(gch, "wb") as f:
+            f.write(b"not a precompiled header")
+    _check_gemm(20)
+    cache._MEMORY.clear()
+    cpu._PCH_FAILED.clear()
+    with open(os.path.join(str(fresh_cache), "pch2"), "w"):
+        pass
+    os.rename(os.path.join(str(fresh_cache), "pch"), os.path.join(str(fresh_cache), "pch.old"))
+    os.rename(os.path.join(str(fresh_cache), "pch2"), os.path.join(str(fresh_cache), "pch"))  # a file: cannot build
+    _check_gemm(28)
+    assert cpu._PCH_FAILED
+    cpu._PCH_FAILED.clear()
+
+
 def test_two_processes_compiling_at_once_both_succeed(fresh_cache):
     script = textwrap.dedent("""
         import numpy as np, tegula, tegula.language as T
