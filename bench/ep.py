@@ -13,6 +13,10 @@ one core of rank 0 is shown for reference (the ratios are against all cores). gl
 all_to_all_single of the same per-destination bytes. The four are interleaved in every repeat, so all of them see
 the same machine load. CPU ms (process CPU time; the memcpy's is summed over its threads) tells how much of a
 time was work when the machine is shared.
+
+Outputs: recv_x and the received top-k are views of the receiver's segment (two receive slots, reused); combine's
+output comes from tegula.ep's cache of idle mappings (kernels.empty: the bench drops each result before the next
+call, so after the warm-up no call faults pages in); the memcpy copies into a warm buffer.
 """
 from __future__ import annotations
 
@@ -165,7 +169,8 @@ def main() -> None:
                      nbytes / medians[key] / 1e9, medians["memcpy"] / medians[key], medians["gloo"] / medians[key]])
     print(f"\ntegula.ep on this machine: {args.ranks} ranks x {args.tokens} tokens, hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, bf16; transports of rank 0: {ranks[0]['transports']}; "
-          f"{nbytes / 1e6:.1f} MB received per rank; {args.reps} repeats")
+          f"{nbytes / 1e6:.1f} MB received per rank; {args.reps} repeats; outputs: segment views (dispatch), "
+          "reused mappings (combine), a warm buffer (memcpy)")
     print_table("per rank (median; spread = min-max over repeats, slowest rank each; CPU = process CPU time)",
                 ["", "ms", "spread ms", "CPU ms", "GB/s", "x memcpy", "x gloo"], rows)
 
