@@ -147,10 +147,8 @@ class _Plan:
         fill = _fill_bits(torch, input.dtype, bits, value_fill)
         x = input if input.is_contiguous() else torch.empty((batch, n), dtype=input.dtype)
         end_t, off_t = _full(torch, batch, n), _full(torch, batch, 0)
-        vals = torch.empty(self.shape, dtype=input.dtype)
+        vals = torch.empty(self.shape, dtype=input.dtype)   # without return_value, where the kernels' values go
         idx = torch.empty(self.shape, dtype=indices_type)
-        if not return_value:   # the kernels always write values: here to a scratch tensor of this plan's
-            self.scratch = vals
         used = {"x": True, "e": has_end, "o": has_off, "v": return_value, "i": True}
         nseg = _segments(batch, n)
         if nseg == 1:
@@ -186,7 +184,7 @@ class _Plan:
             offset = _row_vector(torch, offset, "output_idx_offset", self.batch)
         dest = None
         if output_idx is None:
-            indices = torch.empty(self.shape, dtype=self.indices_type)
+            indices = torch.empty(self.batch, self.k, dtype=self.indices_type)
         else:
             if output_idx.__class__ is not torch.Tensor and not isinstance(output_idx, torch.Tensor):
                 raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
@@ -200,7 +198,8 @@ class _Plan:
             indices = output_idx
             if not output_idx.is_contiguous():
                 dest, indices = output_idx, torch.empty(self.shape, dtype=self.indices_type)
-        values = torch.empty(self.shape, dtype=self.dtype) if self.return_value else None
+        # torch.empty(batch, k, ...): separate ints parse faster than a shape tuple
+        values = torch.empty(self.batch, self.k, dtype=self.dtype) if self.return_value else None
         if self.run is None:   # no rows
             return values, (output_idx if output_idx is not None else indices)
         if not input.is_contiguous():
@@ -268,15 +267,6 @@ def _fill_bits(torch, dtype, bits, value):
     if raw is None:
         raw = _CACHE[key] = int(torch.tensor([float(value)], dtype=dtype).view(getattr(torch, f"int{bits}"))[0])
     return raw
-
-
-def _scratch(torch, batch, k, dtype):
-    """A (batch, k) tensor of dtype owned by this thread, reused while the shape stays the same."""
-    key = (batch, k, dtype)
-    s = getattr(_LOCAL, "scratch", None)
-    if s is None or s[0] != key:
-        s = _LOCAL.scratch = (key, torch.empty((batch, k), dtype=dtype))
-    return s[1]
 
 
 def _flags(torch):
