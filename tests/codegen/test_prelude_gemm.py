@@ -245,7 +245,7 @@ def test_gemm_fp8_every_code(lib, dt):
 @pytest.mark.parametrize("dt", list(DTYPES))
 def test_gemm_few_rows_transposed_b(lib, dt):
     """The shapes of the dot-product path (M <= 8, bf16 to 16; B transposed) and its edges: each row-block size
-    (8, 4, 2, 1) and their mixes, column blocks cut short (N not a multiple of 16 / rows), K tails around a
+    (4, 2, 1) and their mixes, column blocks cut short (N not a multiple of 16 / rows), K tails around a
     vector of 64 and across the 1024-element chunks of A; then the packing path just past the limits."""
     rng = np.random.default_rng(3)
     fn = getattr(lib, f"g_{dt}")

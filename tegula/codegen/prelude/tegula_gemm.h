@@ -265,9 +265,10 @@ TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, 
 #if TG__HAVE_BF16_PAIRS
 /* Few rows of A, B transposed (its rows are columns of C, K contiguous), bf16 or fp8: dot products along K
  * read straight from B, which is neither packed nor transposed (at M = 1..8 that packing costs more than the
- * products). A is converted to bf16 once per chunk of K; row blocks of 8, 4, 2, 1 (tg__dot_rows). Each
- * output ends with a horizontal sum (~3 instructions), so the path pays where M is small or K long:
- * M <= 8, or bf16 (no conversion of B) up to M = 16 with K >= 512 (measured, decode shapes). */
+ * products). A is converted to bf16 once per chunk of K; row blocks of 4, 2, 1 (tg__dot_rows; blocks of 8
+ * spill registers and ran 30% slower per row). Each output ends with a horizontal sum (~3 instructions), so
+ * the path pays where M is small or K long: M <= 8, or bf16 (no conversion of B) up to M = 16 with K >= 512
+ * (measured on decode shapes: 1.2-1.5x faster than the panels there; fp8 at M = 16 in K = 128 calls 0.8x). */
 enum { TG__DOT_KC = 1024 }; /* K per packed chunk of A */
 TG__ALWAYS_INLINE int tg__use_dot(int dt, int M, int K) { return M <= 8 || (dt == TG__DT_BF16 && M <= 16 && K >= 512); }
 
@@ -279,7 +280,7 @@ TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, 
     tg__pf pf;
     if (next) { /* one prefetch step per column block */
         int blocks = 0;
-        for (int r = M, R = 8; r > 0; R /= 2)
+        for (int r = M, R = 4; r > 0; R /= 2)
             for (; r >= R; r -= R)
                 blocks += (N + 16 / R - 1) / (16 / R);
         tg__pf_init(&pf, next, blocks * ((K + TG__DOT_KC - 1) / TG__DOT_KC));
@@ -297,12 +298,8 @@ TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, 
         int i = 0;
 #define TG__DROWS(R) tg__dot_rows(dt, R, N, kc, abuf + i * ld, ld, b, (long)ldb * es, C + (long)i * ldc, ldc, first, \
                                   next ? &pf : NULL)
-        for (; i + 8 <= M; i += 8)
-            TG__DROWS(8);
-        if (M - i >= 4) {
+        for (; i + 4 <= M; i += 4)
             TG__DROWS(4);
-            i += 4;
-        }
         if (M - i >= 2) {
             TG__DROWS(2);
             i += 2;
