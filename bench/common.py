@@ -29,9 +29,10 @@ void stream_copy_nt(const float *restrict a, float *restrict b, int64_t n) {
 """
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None) -> dict:
+def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=None) -> dict:
     """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
-    of source, measured now, in this process, with the machine's C compiler."""
+    of source, measured now, in this process, with the machine's C compiler. ``bench``: the timing function
+    (do_bench's signature; default do_bench, wall clock)."""
     import numpy as np
     from tegula.runtime import cpu
     d = tempfile.mkdtemp(prefix="tegula-bench-")
@@ -48,10 +49,11 @@ def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None) -> dict
     out = {}
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+        so.omp_set_num_threads(threads)  # the OpenMP runtime may already have started (torch's)
     for name in ("stream_copy", "stream_copy_nt"):
         fn = getattr(so, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        t = do_bench(lambda: fn(a.ctypes.data, b.ctypes.data, n), warmup=2, rep=5)
+        t = (bench or do_bench)(lambda: fn(a.ctypes.data, b.ctypes.data, n), warmup=2, rep=5)
         out[name] = 2 * n * 4 / (t.median_ms * 1e-3) / 1e9
     return out
 
