@@ -299,11 +299,13 @@ def _current_target():
 
 
 def _segments(batch, n) -> int:
-    """How many segments each row is split into: enough for every core to have work when rows are few."""
+    """How many segments each row is split into: one block per core when rows are fewer than cores. No more:
+    each segment finds its own top k (its sampled threshold is looser the shorter it is): a 1M-element row in 4
+    segments took 1.6x the CPU time of 2 segments at k = 2048 (1.1-1.2x at k = 512), measured on 2 cores."""
     threads = _threads()
     if batch >= threads or n < 2 * SPLIT_MIN_SEGMENT:
         return 1
-    return max(1, min(math.ceil(2 * threads / batch), n // SPLIT_MIN_SEGMENT))
+    return max(1, min(math.ceil(threads / batch), n // SPLIT_MIN_SEGMENT))
 
 
 def _threads() -> int:
