@@ -115,7 +115,8 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
         bv = ", ".join(nm(v) for v in s.block_vars)
         return [f"{p}with kernel(grid=({grid}), threads={s.threads}) as ({bv}):"] + stmt_lines(s.body, nm, ind + 1)
     if isinstance(s, S.Copy):
-        return [f"{p}copy({rg(s.src)}, {rg(s.dst)})"]
+        hint = f", eviction_policy={s.eviction_policy!r}" if s.eviction_policy else ""
+        return [f"{p}copy({rg(s.src)}, {rg(s.dst)}{hint})"]
     if isinstance(s, S.Fill):
         return [f"{p}fill({rg(s.dst)}, {ex(s.value)})"]
     if isinstance(s, (S.Gemm, S.ExternGemm)):

@@ -88,10 +88,12 @@ class Kernel(Stmt):
 @dataclass(eq=False)
 class Copy(Stmt):
     """dst <- src elementwise over the tile, converting dtype; global accesses outside the tensor are
-    masked (reads give 0, writes are dropped)."""
+    masked (reads give 0, writes are dropped). ``eviction_policy``: TileLang's cache hint (None, "evict_normal",
+    "evict_first", "evict_last"); it never changes the result."""
     src: Region
     dst: Region
     loc: tuple | None = None
+    eviction_policy: str | None = None
 
 
 @dataclass(eq=False)

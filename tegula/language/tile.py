@@ -37,7 +37,13 @@ def _operand_shape(x):
 def copy(src, dst, coalesced_width=None, disable_tma=False, eviction_policy=None, **_hints):
     """Copy a tile: each side is a buffer, a region ``A[a:b, c]`` or a start element ``A[i, j]`` (extent from
     the other side). The dtype converts on the way; global elements outside the tensor read as 0 and are not
-    written."""
+    written. ``eviction_policy`` ("evict_normal", "evict_first", "evict_last") is a cache hint that never changes
+    the result; on the c target "evict_first" copies a contiguous run into a global tensor with streaming stores
+    (the destination is neither read first nor kept in cache: for copies far larger than the cache whose output is
+    not read again soon)."""
+    if eviction_policy not in (None, "evict_normal", "evict_first", "evict_last"):
+        raise CompileError(f"T.copy: eviction_policy must be 'evict_normal', 'evict_first' or 'evict_last', got "
+                           f"{eviction_policy!r}")
     b = kernel_builder()
     s_shape, d_shape = _operand_shape(src), _operand_shape(dst)
     if s_shape is None and d_shape is None:
@@ -51,7 +57,7 @@ def copy(src, dst, coalesced_width=None, disable_tma=False, eviction_policy=None
     if _squeeze(ss) != _squeeze(ds):
         raise CompileError(f"T.copy: source {src.buffer.name} tile {_shape_str(ss)} does not match destination "
                            f"{dst.buffer.name} tile {_shape_str(ds)}")
-    b.emit(S.Copy(src, dst))
+    b.emit(S.Copy(src, dst, eviction_policy=eviction_policy))
 
 
 def fill(buffer, value):
