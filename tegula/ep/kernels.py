@@ -58,9 +58,8 @@ def dispatch_scatter_kernel(word: str, W: int, sword: str, SW: int, K: int):
                 h = T.cast(head[t, r], "int64")
                 if h >= 0 and base[0, r] >= 0:
                     o = base[0, r] + h * W
-                    if o >= 0 and o < Px:
-                        for j in T.Parallel(W):
-                            Yx[o, j] = X[t, j]
+                    if o >= 0 and o < Px:  # streaming stores: nobody reads the rows back before they leave cache
+                        T.copy(X[t, 0:W], Yx[o, 0:W], eviction_policy="evict_first")
                     if SW > 0:
                         os_ = base[1, r] + h * SW
                         if t < Ms and os_ >= 0 and os_ < Ps:

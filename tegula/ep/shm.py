@@ -9,7 +9,8 @@ rows straight into the receiver's region and then bump their done counter there.
 Segments are sparse files: a writer reserves (fallocates) the bytes it is about to write, so a full /dev/shm is
 an error, never a SIGBUS. Names are unlinked as soon as every rank has mapped them, so a killed rank leaks
 nothing; the memory goes away with the last mapping. The counters are plain 64-bit stores and loads ordered by
-the machine (x86-64 is TSO; the kernels that write the rows join their threads before a counter is bumped).
+the machine (x86-64 is TSO; the kernels that write the rows fence their streaming stores and join their threads
+before a counter is bumped).
 """
 from __future__ import annotations
 
