@@ -317,9 +317,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     sink = attn_sink.contiguous() if attn_sink is not None else torch.zeros(1, dtype=torch.float32)
     outv = out.view(groups, sq_k, h_kv, hpk, head_dim_v)
     lsev = lse.view(groups, h_kv, hpk, sq_k)
-    page_copy = not sparse and (ps % BLOCK_N == 0 or BLOCK_N % ps == 0) and rs == (K.FP8_BYTES if is_fp8_kvcache else d)
     kern = K.get("decode", target, rb, nrb, sq_k, hpk, h_kv, d, head_dim_v, ps, sparse, bool(causal),
-                 bool(is_fp8_kvcache), _dt(q.dtype), attn_sink is not None, False, page_copy)
+                 bool(is_fp8_kvcache), _dt(q.dtype), attn_sink is not None, False)
     n_tok = nb * ps
     kern(qv, kva, kvs, kvr, tab, lens, sched, sink, outv, lsev, _dummy_max(h_kv, hpk, sq_k), opart, lpart,
          int(sb), int(rs), int(hs), int(min(n_tok, 2**31 - 1)), scale)
@@ -454,7 +453,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     sink = attn_sink.contiguous() if attn_sink is not None else torch.zeros(1, dtype=torch.float32)
     rb, nrb = _row_block(h_q)
     kern = K.get("decode", _target(), rb, nrb, 1, h_q, 1, d, d_v, 1, True, False, False, _dt(q.dtype),
-                 attn_sink is not None, True, False)
+                 attn_sink is not None, True)
     kern(q.contiguous().view(s_q, 1, 1, h_q, d), kva, torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16),
          indices.reshape(s_q, topk).contiguous(), lens, sched, sink, out.view(s_q, 1, 1, h_q, d_v),
          lse.view(s_q, 1, h_q, 1), max_logits.view(s_q, 1, h_q, 1), torch.empty(1, 1, h_q, d_v),
