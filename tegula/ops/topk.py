@@ -56,25 +56,27 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     Returns (values or None, indices), both (batch, topk).
     """
     try:
-        plan = _LOCAL.plans[(input.shape, input.dtype, topk, indices_type, idx_oob_fill_value, value_oob_fill_value,
-                             end is None, output_idx is None, output_idx_offset is None,
-                             _ENV.get(_TARGET_VAR), _CACHE.get("threads"))]
-    except (KeyError, AttributeError, TypeError):
-        plan = None
+        key = (input.shape, input.dtype, topk, sorted, sorted_index, return_value, abort_when_nan_found,
+               indices_type, idx_oob_fill_value, value_oob_fill_value, end is None, output_idx is None,
+               output_idx_offset is None, _ENV.get(_TARGET_VAR), _CACHE.get("threads"))
+        plan = getattr(_LOCAL, "plans", _NO_PLANS).get(key)
+    except (AttributeError, TypeError):   # arguments that make no key (the checks will say why)
+        key = plan = None
     # the key cannot tell 1 from True or 512.0 from 512: the types are checked here, the rest by the plan
     if (plan is None or topk.__class__ is not int or idx_oob_fill_value.__class__ is not int
             or sorted is not plan.sorted or sorted_index is not plan.sorted_index or begin is not None
             or hint is not None or return_value is not plan.return_value
             or abort_when_nan_found is not plan.abort):
-        plan = _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx,
+        plan = _new_plan(key, input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx,
                          output_idx_offset, idx_oob_fill_value, value_oob_fill_value, return_value,
                          abort_when_nan_found)
     return plan(input, end, output_idx, output_idx_offset)
 
 
-def _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx, output_idx_offset,
+def _new_plan(key, input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx, output_idx_offset,
               idx_oob_fill_value, value_oob_fill_value, return_value, abort_when_nan_found):
-    """Check every argument as a first call must, and build (and cache in this thread) the plan for them."""
+    """Check every argument as a first call must, and build the plan for them (kept in this thread under
+    ``key``; _segments may set the thread count the key holds, hence the key's last item is taken again)."""
     import torch
 
     spec = _specs(torch).get(input.dtype) if isinstance(input, torch.Tensor) else None
@@ -102,7 +104,6 @@ def _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint,
         raise ValueError("topk: begin is not supported (pass None, as DeepSelect requires)")
     if hint is not None:
         raise ValueError("topk: hint is not supported (pass None, as DeepSelect requires)")
-    key_idx_type = indices_type
     if indices_type is None:
         indices_type = torch.int64
     elif indices_type is not torch.int64 and indices_type is not torch.int32:
@@ -119,8 +120,8 @@ def _new_plan(input, topk, sorted, begin, end, indices_type, sorted_index, hint,
     plans = getattr(_LOCAL, "plans", None)
     if plans is None or len(plans) >= 64:
         plans = _LOCAL.plans = {}
-    plans[(input.shape, input.dtype, topk, key_idx_type, idx_oob_fill_value, value_oob_fill_value, end is None,
-           output_idx is None, output_idx_offset is None, _ENV.get(_TARGET_VAR), _CACHE.get("threads"))] = plan
+    if key is not None:
+        plans[key[:-1] + (_CACHE.get("threads"),)] = plan
     return plan
 
 
@@ -244,7 +245,8 @@ def _row_vector(torch, t, name, batch):
 _CACHE: dict = {}
 _TARGETS: dict = {}
 _FULL: dict = {}
-_LOCAL = threading.local()
+_LOCAL = threading.local()   # .plans: this thread's {key: _Plan}; .flags: its status words
+_NO_PLANS: dict = {}
 # TEGULA_TARGET as os.environ stores it (it is part of a plan's key): its own mapping, one dict lookup
 _ENV, _TARGET_VAR = getattr(os.environ, "_data", os.environ), getattr(os.environ, "encodekey", str)("TEGULA_TARGET")
 

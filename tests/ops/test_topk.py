@@ -322,3 +322,15 @@ def test_plans_are_per_thread():
     assert not errors
     for t in range(4):
         check(xs[t], 300, *res[t], by_value=True)
+
+
+def test_calls_alternating_flags_keep_their_plans(monkeypatch):
+    x = torch.randn(2, 3000).to(BF16)
+    topk(x, 40)
+    topk(x, 40, sorted=True)
+    built = []
+    monkeypatch.setattr(topk_mod, "_Plan", lambda *a: built.append(a))   # any new plan would show here
+    for s in (False, True, False):
+        v, i = topk(x, 40, sorted=s)
+        check(x, 40, v, i, by_value=s)
+    assert not built
