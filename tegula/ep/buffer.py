@@ -461,9 +461,9 @@ class Buffer:
         plans = [combine_plan(int(counts[s].sum() - counts[s, s]), hidden, x.dtype, k) for s in range(r_n)]
         first = exclusive(prefix)  # first[s, r]: the rows rank r received from rank s begin at its x[first[s, r]]
 
-        def payload(s):
+        def payload(s):  # (tensor, rows) entries are copied by a kernel (streaming stores) or gathered
             a, n = int(first[s, me]), int(counts[s, me])
-            out = {} if in_place(me, s) else {"x": x_c[a:a + n]}
+            out = {} if in_place(me, s) else {"x": (x_c, torch.arange(a, a + n, dtype=torch.int32, device=x.device))}
             if k:
                 out["topk_weights"] = w_c[a:a + n]
             return out

@@ -8,12 +8,13 @@ import tegula.language as T
 
 
 @tegula.jit(target="c")
-def copy_rows_kernel(dtype: str):
-    """Y[dst[i], :] = X[src[i], :] for i < N: rows of W elements, one row per block."""
+def copy_rows_kernel(dtype: str, W: int):
+    """Y[dst[i], :] = X[src[i], :] for i < N: rows of W elements, one row per block, with streaming stores (the
+    rows go to another rank's receive region; nobody reads them before they leave the cache). Rows outside X or Y
+    are skipped."""
     M = T.dynamic("M")
     N = T.dynamic("N")
     P = T.dynamic("P")
-    W = T.dynamic("W")
 
     @T.prim_func
     def copy_rows(X: T.Tensor((M, W), dtype), src: T.Tensor((N,), "int32"), dst: T.Tensor((N,), "int32"),
@@ -21,8 +22,8 @@ def copy_rows_kernel(dtype: str):
         with T.Kernel(N, threads=128) as i:
             s = src[i]
             d = dst[i]
-            for j in T.Parallel(W):
-                Y[d, j] = X[s, j]
+            if s >= 0 and s < M and d >= 0 and d < P:
+                T.copy(X[s, 0:W], Y[d, 0:W], eviction_policy="evict_first")
 
     return copy_rows
 
@@ -178,7 +179,7 @@ def _compiled(tensor) -> bool:
     ok = _COMPILED.get("c")
     if ok is None:
         try:
-            copy_rows_kernel("uint8")
+            copy_rows_kernel("uint8", 64)
             ok = True
         except Exception:  # no C compiler here: the torch versions serve
             ok = False
@@ -247,7 +248,7 @@ def copy_rows(x, src, dst, y) -> None:
         return
     row = x[0].numel() * x.element_size() if x.shape[0] else y[0].numel() * y.element_size()
     xv, yv = _word_view(x, row), _word_view(y, row)
-    copy_rows_kernel(str(xv.dtype)[6:])(xv, src, dst, yv)
+    copy_rows_kernel(str(xv.dtype)[6:], xv.shape[1])(xv, src, dst, yv)
 
 
 def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, dests, n_local: int) -> bool:
