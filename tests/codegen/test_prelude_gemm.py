@@ -4,7 +4,8 @@ A tiny driver exports tg_gemm_<dt> with runtime arguments, plus a few calls with
 (as generated kernels make them, so gcc specialises the inlined routine). It is built once per ISA
 path the host can run, each forced by undefining the target macros of the paths above it:
 native (AVX-512 with vdpbf16ps pairs and vpdpbusd quads where the host has them; the kernels' flags),
-AVX-512 with fp32 panels only, AVX2 + FMA, and portable C (these three at -O2, to keep the builds short).
+the same without VBMI (e4m3 converted through fp32 instead of by table), AVX-512 with fp32 panels only,
+AVX2 + FMA, and portable C (all but native at -O2, to keep the builds short).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _driver_source() -> str:
 # path: (macros the host must define for the path to differ from the one below it, macros undefined)
 PATHS = {
     "native": ((), ()),
+    "avx512_bf16_no_vbmi": (("__AVX512BF16__", "__AVX512VBMI__"), ("__AVX512VBMI__",)),  # e4m3 via fp32
     "avx512_f32": (("__AVX512F__",), ("__AVX512BF16__", "__AVX512VNNI__")),
     "avx2": (("__AVX2__", "__FMA__"), ("__AVX512F__",)),
     "portable": ((), ("__AVX512F__", "__AVX2__")),
