@@ -1,22 +1,29 @@
 """Memory-bound kernels written in T.* against torch eager and torch.compile, and the machine's bandwidth.
 
-    python -m bench.memory [--gib 1.0] [--reps 5] [--no-compile]
+    python -m bench.memory [--gib 1.0] [--reps 5] [--no-compile] [--clock cpu] [--only copy,rmsnorm,...]
 
 Every kernel reads a working set of about --gib GiB (well beyond the last-level cache). Outputs are
 preallocated once and reused by every side (tegula kernels take the output tensor as an argument; torch eager and
 compiled functions write with out= or return a fresh tensor, as noted), so first-touch page faults are not timed.
 Bandwidth = bytes read + bytes written, per second.
+
+--clock wall (default): every core, wall-clock medians. --clock cpu: tegula, torch and the reference copy each on
+one thread, timed by process CPU time per call and measured alternately (one call of each side per round), which
+other load on a shared machine disturbs far less; the copy bandwidth is then the one-thread figure.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import do_bench, measure_bandwidth, print_table, try_compile
+from bench.common import Timing, do_bench, measure_bandwidth, print_table, try_compile
 
 FP8_MAX = 448.0
 
@@ -134,31 +141,66 @@ def swiglu_ref(x):
     return (F.silu(x[:, :h].float()) * x[:, h:].float()).bfloat16()
 
 
+def side_by_side(fns, reps: int, clock) -> list[Timing]:
+    """Timings (ms) of each of ``fns``, measured alternately: one call of each per round after a warm-up call each,
+    so that every side sees the same machine load."""
+    for fn in fns:
+        fn()
+    acc = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, a in zip(fns, acc):
+            t0 = clock()
+            fn()
+            a.append((clock() - t0) * 1e3)
+    return [Timing(statistics.median(a), min(a), max(a), len(a)) for a in acc]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="working set read per kernel, GiB (default 1)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile peers (slow to build)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call")
+    p.add_argument("--only", default="copy,add,softmax,rmsnorm,rmsnorm_fp8,swiglu",
+                   help="comma-separated rows to run")
     args = p.parse_args(argv)
+    only = set(args.only.split(","))
+    if args.clock == "cpu":  # before any OpenMP runtime or kernel is loaded: they read these then
+        os.environ["TEGULA_NUM_THREADS"] = "1"
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    nthreads = 1 if args.clock == "cpu" else torch.get_num_threads()
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
-    bw = measure_bandwidth(nbytes)
+    if args.clock == "cpu":  # the reference copy on one thread, timed by the same clock
+        bw = measure_bandwidth(nbytes, threads=1, bench=lambda fn, warmup, rep: side_by_side([fn], max(rep, 5),
+                                                                                            clock)[0])
+    else:
+        bw = measure_bandwidth(nbytes)
     print(f"measured: plain copy {bw['stream_copy']:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
-          f"(2 threads, {args.gib} GiB source); torch threads {torch.get_num_threads()}")
+          f"({nthreads} threads, {args.gib} GiB source, {args.clock} clock); torch threads {torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     peak = bw["stream_copy"]
     rows = []
 
     def bench(name, ours, eager, compiled_fn, moved_bytes, check):
         check()
-        t_ours = do_bench(ours, rep=args.reps)
-        t_eager = do_bench(eager, rep=args.reps)
-        t_comp = None
-        if compiled_fn is not None:
+        comp_ok = compiled_fn is not None
+        if comp_ok:
             try:
                 compiled_fn()
-                t_comp = do_bench(compiled_fn, rep=args.reps)
             except Exception as e:  # inductor failing here is a fact to report, not a crash
                 print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                comp_ok = False
+        if args.clock == "cpu":
+            ts = side_by_side([ours, eager] + ([compiled_fn] if comp_ok else []), max(args.reps, 5), clock)
+            t_ours, t_eager, t_comp = ts[0], ts[1], (ts[2] if comp_ok else None)
+        else:
+            t_ours = do_bench(ours, rep=args.reps)
+            t_eager = do_bench(eager, rep=args.reps)
+            t_comp = do_bench(compiled_fn, rep=args.reps) if comp_ok else None
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
         rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, gbs / peak, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms,
@@ -169,57 +211,71 @@ def main(argv=None):
     comp = (lambda f: None) if args.no_compile else try_compile
 
     n = nbytes // 4
-    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-    k = tegula.compile(copy_kernel(n), target="c")
-    bench("copy fp32", lambda: k(a, c), lambda: c.copy_(a), None, 2 * n * 4,
-          lambda: (k(a, c), torch.testing.assert_close(c, a)))
-    k = tegula.compile(add_kernel(n), target="c")
-    cf = comp(lambda x, y: x + y)
-    bench("add fp32", lambda: k(a, b, c), lambda: torch.add(a, b, out=c), cf and (lambda: cf(a, b)), 3 * n * 4,
-          lambda: (k(a, b, c), torch.testing.assert_close(c, a + b)))
-    del a, b, c
+    if only & {"copy", "add"}:
+        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+        if "copy" in only:
+            k = tegula.compile(copy_kernel(n), target="c")
+            bench("copy fp32", lambda: k(a, c), lambda: c.copy_(a), None, 2 * n * 4,
+                  lambda: (k(a, c), torch.testing.assert_close(c, a)))
+        if "add" in only:
+            k = tegula.compile(add_kernel(n), target="c")
+            cf = comp(lambda x, y: x + y)
+            bench("add fp32", lambda: k(a, b, c), lambda: torch.add(a, b, out=c), cf and (lambda: cf(a, b)),
+                  3 * n * 4, lambda: (k(a, b, c), torch.testing.assert_close(c, a + b)))
+        del a, b, c
 
-    M, N = nbytes // 4 // 4096, 4096
-    x, y = torch.randn(M, N), torch.empty(M, N)
-    k = tegula.compile(softmax_kernel(M, N), target="c")
-    cf = comp(lambda t: torch.softmax(t, -1))
-    bench("softmax fp32 x4096", lambda: k(x, y), lambda: torch.softmax(x, -1),
-          cf and (lambda: cf(x)), 2 * M * N * 4,
-          lambda: (k(x, y), torch.testing.assert_close(y, torch.softmax(x, -1), rtol=1e-5, atol=1e-6)))
-    del x, y
+    if "softmax" in only:
+        M, N = nbytes // 4 // 4096, 4096
+        x, y = torch.randn(M, N), torch.empty(M, N)
+        k = tegula.compile(softmax_kernel(M, N), target="c")
+        cf = comp(lambda t: torch.softmax(t, -1))
+        bench("softmax fp32 x4096", lambda: k(x, y), lambda: torch.softmax(x, -1),
+              cf and (lambda: cf(x)), 2 * M * N * 4,
+              lambda: (k(x, y), torch.testing.assert_close(y, torch.softmax(x, -1), rtol=1e-5, atol=1e-6)))
+        del x, y
 
     H = 7168
     M = nbytes // 2 // H
-    x, w = torch.randn(M, H).bfloat16(), torch.randn(H).bfloat16()
-    y = torch.empty(M, H, dtype=torch.bfloat16)
-    k = tegula.compile(rmsnorm_kernel(M, H), target="c")
-    cf = comp(rmsnorm_ref)
-    bench("rmsnorm bf16 x7168", lambda: k(x, w, y), lambda: rmsnorm_ref(x, w), cf and (lambda: cf(x, w)), 2 * M * H * 2,
-          lambda: (k(x, w, y), torch.testing.assert_close(y.float(), rmsnorm_ref(x, w).float(), rtol=1e-2, atol=1e-2)))
-    q = torch.empty(M, H, dtype=torch.float8_e4m3fn)
-    s = torch.empty(M, H // 128)
-    k = tegula.compile(rmsnorm_kernel(M, H, quant=True), target="c")
-    cf = comp(rmsnorm_fp8_ref)
+    if only & {"rmsnorm", "rmsnorm_fp8"}:
+        x, w = torch.randn(M, H).bfloat16(), torch.randn(H).bfloat16()
+    if "rmsnorm" in only:
+        y = torch.empty(M, H, dtype=torch.bfloat16)
+        k = tegula.compile(rmsnorm_kernel(M, H), target="c")
+        cf = comp(rmsnorm_ref)
+        bench("rmsnorm bf16 x7168", lambda: k(x, w, y), lambda: rmsnorm_ref(x, w), cf and (lambda: cf(x, w)),
+              2 * M * H * 2, lambda: (k(x, w, y), torch.testing.assert_close(y.float(), rmsnorm_ref(x, w).float(),
+                                                                              rtol=1e-2, atol=1e-2)))
+        del y
+    if "rmsnorm_fp8" in only:
+        q = torch.empty(M, H, dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, H // 128)
+        kq = tegula.compile(rmsnorm_kernel(M, H, quant=True), target="c")
+        cf = comp(rmsnorm_fp8_ref)
 
-    def check_q():
-        k(x, w, q, s)
-        rq, rs = rmsnorm_fp8_ref(x, w)
-        torch.testing.assert_close(s, rs, rtol=1e-2, atol=1e-9)  # a bf16 rounding step may differ
-        torch.testing.assert_close(q.float(), rq.float(), rtol=0.13, atol=0.02)  # one e4m3 step at most
-    bench("rmsnorm+fp8 quant x7168", lambda: k(x, w, q, s), lambda: rmsnorm_fp8_ref(x, w), cf and (lambda: cf(x, w)),
-          M * H * 2 + M * H + M * H // 128 * 4, check_q)
-    del x, y, q, s
+        def check_q():
+            kq(x, w, q, s)
+            rq, rs = rmsnorm_fp8_ref(x, w)
+            torch.testing.assert_close(s, rs, rtol=1e-2, atol=1e-9)  # a bf16 rounding step may differ
+            torch.testing.assert_close(q.float(), rq.float(), rtol=0.13, atol=0.02)  # one e4m3 step at most
+        bench("rmsnorm+fp8 quant x7168", lambda: kq(x, w, q, s), lambda: rmsnorm_fp8_ref(x, w),
+              cf and (lambda: cf(x, w)), M * H * 2 + M * H + M * H // 128 * 4, check_q)
+        del q, s
+    if only & {"rmsnorm", "rmsnorm_fp8"}:
+        del x, w
 
-    H = 2048
-    M = nbytes // 2 // (2 * H)
-    x = torch.randn(M, 2 * H).bfloat16()
-    y = torch.empty(M, H, dtype=torch.bfloat16)
-    k = tegula.compile(swiglu_kernel(M, H), target="c")
-    cf = comp(swiglu_ref)
-    bench("swiglu bf16 2x2048", lambda: k(x, y), lambda: swiglu_ref(x), cf and (lambda: cf(x)), M * 2 * H * 2 + M * H * 2,
-          lambda: (k(x, y), torch.testing.assert_close(y.float(), swiglu_ref(x).float(), rtol=1e-2, atol=1e-2)))
+    if "swiglu" in only:
+        H = 2048
+        M = nbytes // 2 // (2 * H)
+        x = torch.randn(M, 2 * H).bfloat16()
+        y = torch.empty(M, H, dtype=torch.bfloat16)
+        k = tegula.compile(swiglu_kernel(M, H), target="c")
+        cf = comp(swiglu_ref)
+        bench("swiglu bf16 2x2048", lambda: k(x, y), lambda: swiglu_ref(x), cf and (lambda: cf(x)),
+              M * 2 * H * 2 + M * H * 2,
+              lambda: (k(x, y), torch.testing.assert_close(y.float(), swiglu_ref(x).float(), rtol=1e-2, atol=1e-2)))
 
-    print_table(f"memory-bound kernels, ~{args.gib} GiB working set, 2 threads (medians of >= {args.reps} runs)",
+    print_table(f"memory-bound kernels, ~{args.gib} GiB working set, {nthreads} thread(s), {args.clock} clock "
+                f"(medians of >= {args.reps} runs)",
                 ["kernel", "tegula ms", "spread", "GB/s", "of copy BW", "eager ms", "eager/tegula", "compile ms",
                  "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch eager and compiled "
