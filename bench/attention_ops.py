@@ -15,7 +15,8 @@ batched over the whole call. Each row's two sides are timed alternately, one cal
 see the same machine load; medians over --reps rounds, with tegula's spread ((max - min) / median).
 FLOP counts: 2 * rows * keys * (d_qk + d_v).
 --clock cpu: tegula and torch each on one thread, timed by process CPU time per call, which other load on a shared
-machine disturbs far less (GB/s and GFLOP/s are then per core; the bandwidth is still measured on every core).
+machine disturbs far less (GB/s, GFLOP/s and the measured bandwidth are then those of one core). Note that the torch
+peer gains less from a second thread than tegula does, so its ratios are lower than those of the default mode.
 """
 from __future__ import annotations
 
