@@ -152,7 +152,8 @@ def variant(case):
 
 @pytest.mark.parametrize("trans_A, trans_B, dtype", [
     (False, False, "float32"), (False, True, "bfloat16"), (True, False, "float16"), (True, True, "int8"),
-    (False, False, "float8_e4m3fn"), (True, True, "float32"), (False, True, "int8"), (True, False, "bfloat16")])
+    (False, False, "float8_e4m3fn"), (True, True, "float32"), (False, True, "int8"), (True, False, "bfloat16"),
+    (False, True, "float8_e5m2")])
 def test_c_matches_interp_for_layouts_and_dtypes(trans_A, trans_B, dtype):
     M, N, K = 40, 48, 16 * 19 - 5  # 19 trips of 16: 2 merged (U = 8) + 3 left; the last tile crosses K's edge
     func = gemm(M, N, K, trans_A, trans_B, dtype)
@@ -222,3 +223,27 @@ def test_wide_buffers_are_capped(monkeypatch):
     # the README fp32 tiles stage 2 x 16 KiB per step: 4 steps pass a 64 KiB cap, so U shrinks to 2
     monkeypatch.setattr(widen_gemm_k, "MAX_WIDE_BYTES", 64 * 1024)
     assert "merged_k=2" in tegula.lower(matmul(256, 256, 512, dtype="float32"), target="c").lowered.script()
+
+
+def test_tiles_of_a_three_d_tensor():
+    # A[g, rows, k-slice]: the K axis of the tile is the tensor's last dimension, the batch index is dropped
+    G, M, N, K, bk = 3, 32, 48, 16 * 10 + 3, 16
+
+    @T.prim_func
+    def main(A: T.Tensor((G, M, K), "float32"), B: T.Tensor((G, K, N), "float32"), C: T.Tensor((G, M, N), "float32")):
+        with T.Kernel(G) as g:
+            A_s = T.alloc_shared((M, bk), "float32")
+            B_s = T.alloc_shared((bk, N), "float32")
+            C_l = T.alloc_fragment((M, N), "float32")
+            T.clear(C_l)
+            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=2):
+                T.copy(A[g, 0:M, k * bk:k * bk + bk], A_s)
+                T.copy(B[g, k * bk:k * bk + bk, 0:N], B_s)
+                T.gemm(A_s, B_s, C_l)
+            T.copy(C_l, C[g, 0:M, 0:N])
+
+    assert "merged_k=8" in tegula.lower(main, target="c").lowered.script()
+    a, b = torch.randn(G, M, K), torch.randn(G, K, N)
+    c, i = (tegula.compile(main, out_idx=[-1], target=t)(a, b) for t in ("c", "interp"))
+    torch.testing.assert_close(c, i, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
