@@ -7,8 +7,10 @@ the s_q * (h_q / h_kv) query heads of all its query tokens; in sparse decode a (
 sparse prefill a query token. A block takes one schedule item (group, first key, end key, slot) and walks its
 keys in tiles of ``BN``: each tile gathers its key rows from the cache (through the block table, or the
 ``indices``), zeroing rows that are past the end or invalid, computes S = Q K^T with T.gemm, masks, keeps an
-online softmax (base-2 exponentials, the scale folded in), and accumulates P V, where V is the first ``dv``
-columns of the same key tile (MLA: V is part of K). An item that covers its group alone writes the final output
+online softmax (base-2 exponentials, the scale folded in; lazily rescaled: a row's reference maximum moves only
+when the row's scores pass it by more than ``LAZY`` log2 units, so P <= 2^LAZY and the accumulator is rescaled at
+few tiles, while the true maximum is tracked for prefill's max_logits), and accumulates P V, where V is the first
+``dv`` columns of the same key tile (MLA: V is part of K). An item that covers its group alone writes the final output
 and lse; an item that covers part of a long group writes a partial (output normalised by its own sum, and its
 natural-log lse) into a workspace slot, and ``mla_combine`` merges the slots of each group.
 
