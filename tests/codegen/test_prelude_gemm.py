@@ -236,7 +236,7 @@ def test_gemm_fp8_every_code(lib, dt):
         p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
         getattr(lib, f"g_{dt}")(16, 16, 16, p[0], 16, ta, p[1], 16, tb, p[2], 16, 1)
         np.testing.assert_array_equal(c, want.T if ta else want, err_msg=f"transA={ta}")
-    for rows in (1, 4, 8):  # B transposed, few rows: the dot-product path converts both operands alike
+    for rows in (1, 4, 8, 16):  # B transposed: dot products (few rows) or panels in the 64-wide conversion order
         c = np.zeros((16, 16), np.float32)
         for r0 in range(0, 16, rows):
             p = [x.ctypes.data_as(ctypes.c_void_p) for x in (a[r0:], b, c[r0:])]

@@ -227,6 +227,51 @@ TG__ALWAYS_INLINE void tg__load64_bf16(int dt, const void *p, int n, __m512i *x0
     *x1 = tg__load32_bf16(dt, (const char *)p + 32 * tg__esize(dt), n - 32);
 }
 
+#ifdef __AVX512VBMI__
+#define TG__LOAD64_PERMUTES 1 /* tg__load64_bf16 leaves e4m3 out of K order */
+#endif
+
+/* dst[r * ldd + c] = src[r * ld + c] as bf16 in tg__load64_bf16's order, c < cols rounded up to 64 */
+static inline void tg__pack_rows64_bf16(int dt, uint16_t *dst, long ldd, const void *src, long ld, int rows, int cols)
+{
+    int es = tg__esize(dt);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 64) {
+            __m512i x0, x1;
+            tg__load64_bf16(dt, (const char *)src + (r * ld + c) * es, cols - c, &x0, &x1);
+            _mm512_storeu_si512(dst + r * ldd + c, x0);
+            _mm512_storeu_si512(dst + r * ldd + c + 32, x1);
+        }
+}
+
+/* The pair panel of tg__pack_pairs for S[k][x] = src[x * xs + k] (columns of S contiguous), K in
+ * tg__load64_bf16's order: 16 columns x 64 elements converted (the second halves parked in L1), two
+ * 16 x 16 transposes of pairs; zero up to K rounded to 64. */
+static inline void tg__pack_pairs64(int dt, uint16_t *dst, long ldd, const void *src, long xs, int K, int X)
+{
+    const char *s = (const char *)src;
+    int es = tg__esize(dt);
+    __m512i v[16], w[16] __attribute__((aligned(64)));
+    for (int x0 = 0; x0 < X; x0 += 16)
+        for (int k0 = 0; k0 < K; k0 += 64) {
+            for (int q = 0; q < 16; q++) {
+                __m512i hi = _mm512_setzero_si512();
+                v[q] = hi;
+                if (x0 + q < X)
+                    tg__load64_bf16(dt, s + ((x0 + q) * xs + k0) * es, K - k0, &v[q], &hi);
+                _mm512_store_si512(&w[q], hi);
+            }
+            tg__transpose16(v);
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(dst + 2 * ((k0 / 2 + r) * ldd + x0), v[r]);
+            for (int q = 0; q < 16; q++)
+                v[q] = _mm512_load_si512(&w[q]);
+            tg__transpose16(v);
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(dst + 2 * ((k0 / 2 + 16 + r) * ldd + x0), v[r]);
+        }
+}
+
 /* One vector whose lane e is the sum of v[e]'s 16 lanes: a reduction tree of 45 instructions. */
 TG__ALWAYS_INLINE __m512 tg__hsum16(const __m512 v[16])
 {
