@@ -17,6 +17,9 @@ emitted, this module rewrites the lowered body:
 3. A fragment that every innermost loop touching it writes before it reads it, at one index, and that nothing
    else touches, becomes a scalar of that loop body (``sq[i, j] = x * x; acc += sq[i, j]`` keeps ``x * x`` in a
    register and allocates no ``sq``).
+4. A load an innermost loop repeats at every iteration (``ss[i]`` in ``x[i, j] * ss[i]``), of a buffer the loop
+   does not write, is read once before the loop: gcc cannot always prove that the loop's stores into one heap
+   block of on-chip buffers leave it alone, and then keeps the loop scalar.
 
 Nothing here changes a value: the same operations run on the same operands, in an order that keeps every
 read-after-write, write-after-read and write-after-write pair of the program as written.
@@ -36,6 +39,7 @@ _LOOP_KINDS = ("parallel", "serial")
 def fuse(func: S.PrimFunc) -> S.PrimFunc:
     body = _stmt(func.body)
     body = _scalarize(body)
+    body = _map(body, _hoist_invariant_loads)
     return dataclasses.replace(func, body=body)
 
 
@@ -378,3 +382,63 @@ def _scalarize_kernel(k: S.Kernel) -> S.Kernel:
 
 def key_idx(indices) -> tuple:
     return tuple(key(i) for i in indices)
+
+
+# loop-invariant loads ----------------------------------------------------------------------------------------
+
+def _hoist_invariant_loads(f):
+    """``f`` (an innermost loop with a constant positive trip count) with its invariant, unconditional loads
+    of buffers it does not write read once before it; None when there is nothing to do."""
+    if not isinstance(f, S.For) or any(isinstance(x, (S.For, S.While)) for x in S.walk(f.body)):
+        return None
+    if not (isinstance(f.extent, E.Const) and f.extent.value >= 1):
+        return None
+    top = _flatten([f.body])
+    if not all(isinstance(t, (S.Store, S.Assign, S.If)) for t in top):
+        return None
+    written = {id(_root(x.buffer)) for x in S.walk(f.body) if isinstance(x, (S.Store, S.AtomicElem))}
+    local = {id(f.var)} | {id(x.var) for x in S.walk(f.body) if isinstance(x, S.Assign)}
+    found: dict = {}
+
+    def visit(e):  # unconditionally evaluated sub-expressions only (not a Select's branches)
+        if isinstance(e, E.Select):
+            visit(e.cond)
+            return
+        if isinstance(e, E.Load) and id(_root(e.buffer)) not in written and not any(
+                isinstance(v, (E.Var, E.Load)) and (id(v) in local or isinstance(v, E.Load))
+                for i in e.indices for v in rewrite.sub_exprs(i)):
+            found.setdefault(key(e), e)
+            return
+        for c in _children(e):
+            visit(c)
+
+    for t in top:
+        if isinstance(t, S.If):
+            visit(t.cond)
+            continue
+        for e in rewrite.exprs_of(t):
+            visit(e)
+    if not found:
+        return None
+    pre, mapping = [], {}
+    for k, ld in found.items():
+        v = E.Var(f"{ld.buffer.name}_inv", ld.dtype, is_local=True)
+        v.is_local = True
+        pre.append(S.Assign(v, ld, True, loc=f.loc))
+        mapping[k] = v
+    body = rewrite.stmt(f.body, fe=lambda x: mapping.get(key(x)) if isinstance(x, E.Load) else None)
+    return S.Seq([*pre, dataclasses.replace(f, body=body)], loc=f.loc)
+
+
+def _children(e) -> list:
+    if isinstance(e, E.BinOp):
+        return [e.a, e.b]
+    if isinstance(e, E.UnOp):
+        return [e.a]
+    if isinstance(e, E.Call):
+        return list(e.args)
+    if isinstance(e, E.Cast):
+        return [e.value]
+    if isinstance(e, E.Load):
+        return list(e.indices)
+    return []
