@@ -64,7 +64,7 @@ class CEmitter(CFamilyEmitter):
                 offset += _round64(n * b.dtype.itemsize)
             else:
                 self.w(f"{ct} {self.nm(b)}[{n}] __attribute__((aligned(64)));")
-        self.w("#pragma omp for schedule(dynamic, 1)")
+        self.w("#pragma omp for schedule(dynamic, tg_chunk_for(tg_nblocks, omp_get_num_threads()))")
         self.w("for (int64_t tg_b = 0; tg_b < tg_nblocks; ++tg_b) {")
         self.ind += 1
         self.w(f"const int32_t {bx} = (int32_t)(tg_b % tg_gx);")

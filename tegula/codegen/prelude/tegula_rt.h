@@ -160,6 +160,15 @@ static inline int tg_threads_for(int64_t nblocks) {
   return nblocks < cap ? (nblocks < 1 ? 1 : (int)nblocks) : cap;
 }
 
+/* blocks a thread takes per grab of the dynamic schedule: 1 while a grid has fewer than 64 blocks per thread
+ * (uneven blocks, such as GEMM or causal attention tiles, stay balanced), else 1/64 of a thread's share, so that
+ * grids of many small blocks (a memory-bound kernel's row tiles, 10^5 and more) do not take the shared counter's
+ * cache line in turn for every block (2 threads: per-block grabs made such kernels slower than one thread) */
+static inline int64_t tg_chunk_for(int64_t nblocks, int threads) {
+  int64_t c = nblocks / ((int64_t)threads * 64);
+  return c < 1 ? 1 : c;
+}
+
 static inline void *tg_aligned_alloc(size_t bytes) {
   void *p = NULL;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) abort();
