@@ -120,7 +120,8 @@ def column_absmax(xf, out, R, W):
     T.fill(out, 0.0)
     for r in T.serial(R):
         for j in T.Parallel(W):
-            out[j] = T.max(out[j], T.abs(xf[r, j]))
+            a = T.abs(xf[r, j])  # a > out ? a : out: max ignoring NaN (out is never NaN nor -0), one maxps
+            out[j] = T.if_then_else(a > out[j], a, out[j])
 
 
 @T.macro
