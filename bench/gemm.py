@@ -25,6 +25,13 @@ import sys
 import tempfile
 import time
 
+# numpy's OpenBLAS keeps its threads spinning for a while after each call (its default timeout is 2^28 cycles);
+# measured side by side, that spin took one of the 2 cores from whichever library ran next (tegula's README
+# GEMM: 193 GFLOP/s alone, 140 right after np.matmul). The shortest timeout makes OpenBLAS's threads sleep at
+# once, as libgomp's do under OMP_WAIT_POLICY=passive; numpy's own speed is unchanged (203 vs 200 GFLOP/s).
+# Read when OpenBLAS loads, so set before anything imports numpy.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = [(m, n, k) for m in (1, 4, 16, 64) for n, k in ((7168, 2048), (2048, 7168))]
 DECODE_TILES = [(128, 32), (256, 64), (128, 128)]  # (block_N, block_K) tried per decode shape
