@@ -13,27 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import tegula
-from bench.common import Timing, do_bench, print_table
-
-
-def side_by_side(fns, reps: int, clock) -> list:
-    """Timings (ms) of each of ``fns``, measured alternately after a warm-up call each."""
-    for fn in fns:
-        fn()
-    acc = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, a in zip(fns, acc):
-            t0 = clock()
-            fn()
-            a.append((clock() - t0) * 1e3)
-    return [Timing(statistics.median(a), min(a), max(a), len(a)) for a in acc]
+from bench.common import do_bench, print_table, side_by_side
 
 
 def load_example(name: str):

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
 import tempfile
 
 from tegula.jit.profiler import Timing, do_bench
 
-__all__ = ["Timing", "do_bench", "measure_bandwidth", "print_table", "try_compile"]
+__all__ = ["Timing", "do_bench", "measure_bandwidth", "print_table", "side_by_side", "try_compile"]
 
 _STREAM = r"""
 #include <stdint.h>
@@ -33,7 +34,6 @@ def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=N
     """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
     of source, measured now, in this process, with the machine's C compiler. ``bench``: the timing function
     (do_bench's signature; default do_bench, wall clock)."""
-    import numpy as np
     from tegula.runtime import cpu
     d = tempfile.mkdtemp(prefix="tegula-bench-")
     src, lib = os.path.join(d, "stream.c"), os.path.join(d, "stream.so")
@@ -87,3 +87,17 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
     return str(x)
+
+
+def side_by_side(fns, reps: int, clock) -> list[Timing]:
+    """Timings (ms) of each of ``fns``, measured alternately: one call of each per round after a warm-up call each,
+    so that every side sees the same machine load. ``clock``: time.perf_counter (wall) or time.process_time."""
+    for fn in fns:
+        fn()
+    acc = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, a in zip(fns, acc):
+            t0 = clock()
+            fn()
+            a.append((clock() - t0) * 1e3)
+    return [Timing(statistics.median(a), min(a), max(a), len(a)) for a in acc]

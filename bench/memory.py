@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import Timing, do_bench, measure_bandwidth, print_table, try_compile
+from bench.common import do_bench, measure_bandwidth, print_table, side_by_side, try_compile
 
 FP8_MAX = 448.0
 
@@ -140,20 +139,6 @@ def rmsnorm_fp8_ref(x, w, eps=1e-6, group=128):
 def swiglu_ref(x):
     h = x.shape[1] // 2
     return (F.silu(x[:, :h].float()) * x[:, h:].float()).bfloat16()
-
-
-def side_by_side(fns, reps: int, clock) -> list[Timing]:
-    """Timings (ms) of each of ``fns``, measured alternately: one call of each per round after a warm-up call each,
-    so that every side sees the same machine load."""
-    for fn in fns:
-        fn()
-    acc = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, a in zip(fns, acc):
-            t0 = clock()
-            fn()
-            a.append((clock() - t0) * 1e3)
-    return [Timing(statistics.median(a), min(a), max(a), len(a)) for a in acc]
 
 
 def main(argv=None):

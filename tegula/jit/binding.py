@@ -233,10 +233,11 @@ def make_fast_call(binder: Binder, launch, slow_call):
         all_args.append(f"o{pos}.data_ptr()" if pos in binder.out_idx else next(it))
     all_args += [sym_names[id(v)] for v in binder.symbols]
     lines.append(f"_launch({', '.join(all_args)})")
-    lines.append("return None" if not outs else f"return {outs[0]}" if len(outs) == 1 else f"return [{', '.join(outs)}]")
+    ret = "None" if not outs else outs[0] if len(outs) == 1 else f"[{', '.join(outs)}]"
+    lines.append(f"return {ret}")
     src = f"def call({', '.join(names)}):\n    args = ({''.join(n + ', ' for n in names)})\n"
     src += "".join(f"    {ln}\n" for ln in lines)
-    src = f"def make():\n" + "".join("    " + ln + "\n" for ln in src.splitlines()) + "    return call\n"
+    src = "def make():\n" + "".join("    " + ln + "\n" for ln in src.splitlines()) + "    return call\n"
     exec(compile(src, f"<tegula call {binder.name}>", "exec"), env)
     fn = env["make"]()
     fn.__tegula_source__ = src

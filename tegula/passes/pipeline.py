@@ -1,8 +1,16 @@
 """The pass order of each target family."""
 from __future__ import annotations
 
-from tegula.passes import (check_program, distribute_threads, guard_global_access, infer_layouts, insert_barriers,
-                           lower_tile_ops, prefetch_pipelined, widen_gemm_k)
+from tegula.passes import (
+    check_program,
+    distribute_threads,
+    guard_global_access,
+    infer_layouts,
+    insert_barriers,
+    lower_tile_ops,
+    prefetch_pipelined,
+    widen_gemm_k,
+)
 
 PIPELINES = {
     "interp": [check_program.run, guard_global_access.run],

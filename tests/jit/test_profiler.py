@@ -42,8 +42,8 @@ def test_profiler_needs_symbolic_dims():
 
 
 def test_profiler_supplies_inputs_as_tilelang_does():
-    from tegula.jit.profiler import TensorSupplyType, supply_tensor
     from tegula.ir import dtypes as dt
+    from tegula.jit.profiler import TensorSupplyType, supply_tensor
     u = supply_tensor((1000,), dt.float16)  # Auto: uniform in [-1, 1)
     assert u.dtype == torch.float16 and u.abs().max() <= 1 and u.std() > 0.3
     i = supply_tensor((1000,), dt.float32, TensorSupplyType.Integer)
