@@ -6,30 +6,32 @@ import tegula.language as T
 from tegula.ops._tk_math import exp_f32, fma_f32
 
 NEG_INF = float("-inf")
+KEY_MIN = -(2**63)
 SIGMOID, SQRTSOFTPLUS, SOFTMAX = 0, 1, 2
 
 
 @T.macro
-def select_topk(v, taken, out_idx, BM, E, K):
-    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index), for k < K; marks them in ``taken``.
-    (One row per block vectorises best: the loops then run along the experts.)"""
-    mx = T.alloc_fragment((BM,), "float32")
-    cand = T.alloc_fragment((BM, E), "int32")
-    best = T.alloc_fragment((BM,), "int32")
-    masked = T.alloc_fragment((BM, E), "float32")
-    T.fill(taken, 0)
-    T.copy(v, masked)
+def select_topk(v, out_idx, BM, E, K):
+    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index; -0.0 equals 0.0), for k < K.
+    Each entry gets a distinct int64 key, its value's bits made order-preserving above (E - 1 - j), so one masked
+    max per k finds the next entry: the largest key below the previous one. (One row per block vectorises best:
+    the loops then run along the experts.)"""
+    key = T.alloc_fragment((BM, E), "int64")
+    masked = T.alloc_fragment((BM, E), "int64")
+    best = T.alloc_fragment((BM,), "int64")
+    for i, j in T.Parallel(BM, E):
+        x = v[i, j]
+        bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
+        order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key[i, j] = T.cast(order, "int64") * 4294967296 + (E - 1 - j)
+    T.reduce_max(key, best, dim=1)
     for k in T.serial(K):
-        T.reduce_max(masked, mx, dim=1)
-        for i, j in T.Parallel(BM, E):
-            cand[i, j] = T.if_then_else(taken[i, j] == 0 and masked[i, j] == mx[i], j, E)
-        T.reduce_min(cand, best, dim=1)
-        for i, j in T.Parallel(BM, E):
-            if j == best[i]:
-                taken[i, j] = 1
-                masked[i, j] = NEG_INF
+        if k > 0:
+            for i, j in T.Parallel(BM, E):
+                masked[i, j] = T.if_then_else(key[i, j] < best[i], key[i, j], KEY_MIN)
+            T.reduce_max(masked, best, dim=1)
         for i in T.Parallel(BM):
-            out_idx[i, k] = best[i]
+            out_idx[i, k] = E - 1 - T.cast(best[i] & 4294967295, "int32")
 
 
 def topk_gate(E, K, BM=1):
@@ -41,10 +43,9 @@ def topk_gate(E, K, BM=1):
     def topk_gate(S: T.Tensor((NT, E), "float32"), I: T.Tensor((NT, K), "int64")):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             v = T.alloc_fragment((BM, E), "float32")
-            taken = T.alloc_fragment((BM, E), "int32")
             idx = T.alloc_fragment((BM, K), "int32")
             T.copy(S[by * BM, 0], v)
-            select_topk(v, taken, idx, BM, E, K)
+            select_topk(v, idx, BM, E, K)
             T.copy(idx, I[by * BM, 0])
     return topk_gate
 
@@ -94,30 +95,28 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                       num_ep_ranks: T.int32, tp_rank: T.int32, num_tp_ranks: T.int32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM
-            lg = T.alloc_fragment((BM, E), "float32")
-            bias = T.alloc_fragment((E,), "float32")
             s = T.alloc_fragment((BM, E), "float32")
             b = T.alloc_fragment((BM, E), "float32")
-            T.copy(L[r0, 0], lg)
-            T.copy(B[0], bias)
             if scoring == SOFTMAX:
+                lg = T.alloc_fragment((BM, E), "float32")
                 mx = T.alloc_fragment((BM,), "float32")
                 sm = T.alloc_fragment((BM,), "float32")
+                T.copy(L[r0, 0], lg)
                 T.reduce_max(lg, mx, dim=1)
                 for i, j in T.Parallel(BM, E):
                     s[i, j] = exp_f32(lg[i, j] - mx[i])
                 T.reduce_sum(s, sm, dim=1)
                 for i, j in T.Parallel(BM, E):
                     s[i, j] = s[i, j] / sm[i]
-                    b[i, j] = lg[i, j] + bias[j]
-            else:
+                    b[i, j] = lg[i, j] + B[j]
+            else:  # the logits and bias read where they lie (rows past NT read the last one and are not stored)
                 for i, j in T.Parallel(BM, E):
-                    x = lg[i, j]
+                    x = L[T.min(r0 + i, NT - 1), j]
                     if scoring == SIGMOID:
                         s[i, j] = 1.0 / (1.0 + exp_f32(-x))
                     else:
                         s[i, j] = T.sqrt(T.if_then_else(x > 20.0, x, log1p_f32(exp_f32(x))))
-                    b[i, j] = s[i, j] + bias[j]
+                    b[i, j] = s[i, j] + B[j]
             if grouped:  # keep the NTG groups with the largest sum of their top two (ties: the lower group)
                 bg = T.reshape(b, (BM, NG, EPG))
                 t1 = T.alloc_fragment((BM, NG), "float32")
@@ -142,9 +141,8 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 for i, g, j in T.Parallel(BM, NG, EPG):
                     if rank[i, g] >= NTG:
                         bg[i, g, j] = NEG_INF
-            taken = T.alloc_fragment((BM, E), "int32")
             sel = T.alloc_fragment((BM, K), "int32")
-            select_topk(b, taken, sel, BM, E, K)
+            select_topk(b, sel, BM, E, K)
             if fix_on:
                 for i, k in T.Parallel(BM, K):
                     r = T.min(r0 + i, NT - 1)

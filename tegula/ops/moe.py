@@ -62,13 +62,40 @@ def topk_gate(scores, num_topk: int):
 def normalize_weight(topk_weights):
     """``(denominator, normalized_weights)``: 1e-20 + the row's weights summed in order, and weights / it."""
     t = _tk.torch()
-    _tk.check_tensor(topk_weights, "topk_weights", (t.float32,), 2)
-    n, k = topk_weights.shape
+    w = topk_weights
+    # a fixed cost of a few microseconds is most of a call: a contiguous float32 CPU tensor of a shape seen
+    # before goes straight to the launcher bound for that shape (and target); anything else takes the checks
+    launch = _NORMALIZE.get((w.shape, _tk.target())) if type(w) is t.Tensor else None
+    if launch is None or w.dtype is not t.float32 or not w.is_cpu or not w.is_contiguous():
+        _tk.check_tensor(w, "topk_weights", (t.float32,), 2)
+        w = w.contiguous()
+        launch = _normalize_launcher(t, w)
+    n, k = w.shape
     den = t.empty((n,), dtype=t.float32)
     out = t.empty((n, k), dtype=t.float32)
-    if n > 0 and k > 0:
-        _tk.kernel(K.normalize_weight, k)(topk_weights.contiguous(), den, out)
+    if launch is not _NOTHING:
+        launch(w, den, out)
     return den, out
+
+
+_NORMALIZE: dict = {}   # (shape, target) -> normalize_weight's launcher for contiguous float32 CPU weights
+
+
+def _NOTHING(*_):
+    pass
+
+
+def _normalize_launcher(t, w):
+    n, k = w.shape
+    key = (w.shape, _tk.target())
+    launch = _NORMALIZE.get(key)
+    if launch is None:
+        if n == 0 or k == 0:
+            launch = _NOTHING
+        else:
+            launch = _tk.kernel(K.normalize_weight, k).bind(w, t.empty((n,), dtype=t.float32), t.empty_like(w))
+        _NORMALIZE[key] = launch
+    return launch
 
 
 def _bool_vector(x, name, n):

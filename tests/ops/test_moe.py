@@ -31,6 +31,10 @@ def test_topk_gate(target, e, k):
     s = torch.randn(tokens(target), e)
     s[:, 3] = s[:, 5]  # ties go to the lower index
     s[0] = 0.0
+    s[1] = 0.0
+    s[1, ::2] = -0.0  # equal to 0.0: still the lower index first
+    s[2] = float("-inf")
+    s[2, e - 1] = 1.0
     assert_equal(moe.topk_gate(s, k), stable_topk(s, k))
 
 
@@ -42,6 +46,11 @@ def test_normalize_weight(target):
         ref = ref + w[:, k]
     assert_equal(den, ref)
     assert_equal(out, w / ref.unsqueeze(1))
+    # a shape seen before takes the bound launcher only for contiguous float32 weights
+    wt = torch.rand(6, w.shape[0]).T
+    assert_equal(moe.normalize_weight(wt)[1], moe.normalize_weight(wt.contiguous())[1])
+    with pytest.raises(TypeError, match="topk_weights"):
+        moe.normalize_weight(w.double())
 
 
 # DeepSeek's routing ------------------------------------------------------------------------------------------------
