@@ -282,15 +282,19 @@ def expert_scatter(E, K, CH=4096):
     return expert_scatter
 
 
-def expand_rows(BW=1024):
-    """Out[p] = X[t] for every (t, k) with p = TTP[t, k] >= 0, and Out[p] = 0 where P2E[p] < 0; rows of bytes."""
+def expand_rows(dtype="uint8", BW=1024, strided_out=False):
+    """Out[p] = X[t] for every (t, k) with p = TTP[t, k] >= 0, and Out[p] = 0 where P2E[p] < 0, BW elements of a
+    row per block. The token rows go as bytes ("uint8"); their scale rows as int32 words into an Out of any strides
+    (``strided_out``)."""
     NT, K, NP, C = T.dynamic("num_tokens"), T.dynamic("num_topk"), T.dynamic("num_positions"), T.dynamic("cols")
+    OSM, OSK = T.dynamic("o_sm"), T.dynamic("o_sk")
+    out_t = T.StridedTensor((NP, C), (OSM, OSK), dtype) if strided_out else T.Tensor((NP, C), dtype)
 
     @T.prim_func
-    def expand_rows(X: T.Tensor((NT, C), "uint8"), TTP: T.Tensor((NT, K), "int32"), P2E: T.Tensor((NP,), "int32"),
-                    Out: T.Tensor((NP, C), "uint8")):
+    def expand_rows(X: T.Tensor((NT, C), dtype), TTP: T.Tensor((NT, K), "int32"), P2E: T.Tensor((NP,), "int32"),
+                    Out: out_t):
         with T.Kernel(T.ceildiv(C, BW), T.max(NT, NP)) as (bx, r):
-            row = T.alloc_fragment((BW,), "uint8")
+            row = T.alloc_fragment((BW,), dtype)
             if r < NP:
                 if P2E[r] < 0:
                     T.fill(row, 0)
@@ -302,29 +306,6 @@ def expand_rows(BW=1024):
                     if p >= 0:
                         T.copy(row, Out[p, bx * BW])
     return expand_rows
-
-
-def expand_sf(BW=64):
-    """The scale rows of expand_rows: Out[p, :] = S[t, :] (int32 words; Out has any strides)."""
-    NT, K, NP, C = T.dynamic("num_tokens"), T.dynamic("num_topk"), T.dynamic("num_positions"), T.dynamic("cols")
-    OSM, OSK = T.dynamic("o_sm"), T.dynamic("o_sk")
-
-    @T.prim_func
-    def expand_sf(S: T.Tensor((NT, C), "int32"), TTP: T.Tensor((NT, K), "int32"), P2E: T.Tensor((NP,), "int32"),
-                  Out: T.StridedTensor((NP, C), (OSM, OSK), "int32")):
-        with T.Kernel(T.ceildiv(C, BW), T.max(NT, NP)) as (bx, r):
-            row = T.alloc_fragment((BW,), "int32")
-            if r < NP:
-                if P2E[r] < 0:
-                    T.fill(row, 0)
-                    T.copy(row, Out[r, bx * BW])
-            if r < NT:
-                T.copy(S[r, bx * BW], row)
-                for k in T.serial(K):
-                    p = TTP[r, k]
-                    if p >= 0:
-                        T.copy(row, Out[p, bx * BW])
-    return expand_sf
 
 
 def reduce_fused(in_dtype, out_dtype, with_weights, with_xsf, with_sf, W=1024):

@@ -275,7 +275,7 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos, pos_to_
     else:
         out_sf = t.empty((ne, cols), dtype=sf.dtype)
     if cols and (ne or n):
-        _tk.kernel(K.expand_sf)(sf.contiguous().view(t.int32), ttp, p2e, out_sf.view(t.int32))
+        _tk.kernel(K.expand_rows, "int32", 64, True)(sf.contiguous().view(t.int32), ttp, p2e, out_sf.view(t.int32))
     return out, out_sf
 
 
