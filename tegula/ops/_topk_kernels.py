@@ -303,6 +303,20 @@ def _macros(bits):
         b.st[3] = bot
 
     @T.macro
+    def sample(b, src, row, start, stride):
+        """The SAMPLE keys src[row, start + i * stride] as the candidates (indices i), their range in st[2:4]."""
+        for i in T.Parallel(SAMPLE):
+            b.kk[i] = key_of(src[row, start + i * stride])
+        T.reduce_max(b.kk, b.ext[0:1], dim=0)
+        T.reduce_min(b.kk, b.ext[1:2], dim=0)
+        for i in T.Parallel(SAMPLE):
+            b.ck[i] = b.kk[i]
+            b.ci[i] = i
+        b.st[0] = SAMPLE
+        b.st[2] = b.ext[0]
+        b.st[3] = b.ext[1]
+
+    @T.macro
     def top_range(b, lo, hi, src, row, k, b2):
         """The top k of src[row, lo:hi] into the candidates (st[0] = min(k, hi - lo)), in index order.
 
@@ -315,16 +329,7 @@ def _macros(bits):
         sampled = T.cast(0, "int32")
         if mu >= 1.0 and length >= 2 * SAMPLE:
             stride = length // SAMPLE
-            for i in T.Parallel(SAMPLE):
-                b.kk[i] = key_of(src[row, lo + i * stride])
-            T.reduce_max(b.kk, b.ext[0:1], dim=0)
-            T.reduce_min(b.kk, b.ext[1:2], dim=0)
-            for i in T.Parallel(SAMPLE):
-                b.ck[i] = b.kk[i]
-                b.ci[i] = i
-            b.st[0] = SAMPLE
-            b.st[2] = b.ext[0]
-            b.st[3] = b.ext[1]
+            sample(b, src, row, lo, stride)
             select(b, T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"))
             t0 = b.st[1]
             _reset(b)
@@ -382,16 +387,7 @@ def _macros(bits):
         candidate buffer, no radix select, no work per key beyond the k kept."""
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
-        for i in T.Parallel(SAMPLE):
-            b.kk[i] = key_of(src[row, i * stride])
-        T.reduce_max(b.kk, b.ext[0:1], dim=0)
-        T.reduce_min(b.kk, b.ext[1:2], dim=0)
-        for i in T.Parallel(SAMPLE):
-            b.ck[i] = b.kk[i]
-            b.ci[i] = i
-        b.st[0] = SAMPLE
-        b.st[2] = b.ext[0]
-        b.st[3] = b.ext[1]
+        sample(b, src, row, 0, stride)
         select(b, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE))
         lo = b.st[1]
         select(b, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"))
