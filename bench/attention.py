@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
 import tegula
-from bench.common import do_bench, print_table, side_by_side
+from bench.common import add_clock_option, do_bench, print_table, side_by_side, use_clock
 
 
 def load_example(name: str):
@@ -37,12 +36,9 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tune", action="store_true", help="also try other block sizes (block_M, block_N)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call")
+    add_clock_option(p)
     args = p.parse_args(argv)
-    if args.clock == "cpu":  # before any kernel is loaded: the c runtime reads it then
-        os.environ["TEGULA_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+    clock = use_clock(args.clock)
     nthreads = torch.get_num_threads()
     fa = load_example("flash_attention")
     b, h, s, d = 1, args.heads, args.seq, args.dim
@@ -65,7 +61,7 @@ def main(argv=None):
             out = kern(q, k, v)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             if args.clock == "cpu":
-                t, sdpa = side_by_side([lambda: kern(q, k, v), sdpa_fn], args.reps, time.process_time)
+                t, sdpa = side_by_side([lambda: kern(q, k, v), sdpa_fn], args.reps, clock)
             else:
                 t = do_bench(lambda: kern(q, k, v), rep=args.reps)
             rows.append([f"{'causal' if causal else 'full'} {cfg['block_M']}x{cfg['block_N']}", t.median_ms,

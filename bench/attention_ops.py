@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import Timing, do_bench, measure_bandwidth, print_table
+from bench.common import Timing, add_clock_option, do_bench, measure_bandwidth, print_table, use_clock
 from tegula.ops import attention as A
 
 D, DV, PS = 576, 512, 64
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
 
 
@@ -174,15 +172,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="smaller caches and sequences (a smoke run)")
-    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
-                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call")
+    add_clock_option(p)
     p.add_argument("--only", default="dense,sparse,prefill,varlen", help="comma-separated sections")
     args = p.parse_args(argv)
     global clock
-    clock = CLOCK[args.clock]
-    if args.clock == "cpu":  # before any kernel is loaded: the c runtime reads it then
-        os.environ["TEGULA_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+    clock = use_clock(args.clock)
     only = set(args.only.split(","))
     gen = torch.Generator().manual_seed(0)
     scale = 8 if args.quick else 1

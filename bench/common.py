@@ -5,10 +5,32 @@ import ctypes
 import os
 import statistics
 import tempfile
+import time
 
 from tegula.jit.profiler import Timing, do_bench
 
-__all__ = ["Timing", "do_bench", "measure_bandwidth", "print_table", "side_by_side", "try_compile"]
+__all__ = ["CLOCKS", "Timing", "add_clock_option", "do_bench", "measure_bandwidth", "print_table", "side_by_side",
+           "try_compile", "use_clock"]
+
+# --clock: wall (every core, wall-clock time) or cpu (one thread each side, process CPU time per call, which other
+# load on a shared machine disturbs far less)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK_HELP = "wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call"
+
+
+def add_clock_option(parser, help: str = CLOCK_HELP) -> None:
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=help)
+
+
+def use_clock(name: str):
+    """The timer of ``--clock name``. "cpu" first puts tegula's kernels and torch on one thread: call it before any
+    kernel is loaded (the c runtime reads TEGULA_NUM_THREADS then)."""
+    if name == "cpu":
+        import torch
+
+        os.environ["TEGULA_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    return CLOCKS[name]
 
 _STREAM = r"""
 #include <stdint.h>

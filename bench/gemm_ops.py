@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import measure_bandwidth, print_table  # noqa: E402
+from bench.common import add_clock_option, measure_bandwidth, print_table, use_clock  # noqa: E402
 from tegula.ops import gemm as dg  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -47,7 +47,6 @@ COMPUTE_NK = [(2112, 7168), (7168, 2048)]
 
 # timing -----------------------------------------------------------------------------------------------------
 
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
 
 
@@ -291,15 +290,11 @@ def main(argv=None):
     p.add_argument("--ws", type=int, default=256, help="MiB of weights each decode contender cycles through")
     p.add_argument("--quick", action="store_true", help="fewer and smaller shapes")
     p.add_argument("--only", default="decode,compute,grouped,indexer", help="comma-separated sections")
-    p.add_argument("--clock", choices=sorted(CLOCK), default="wall",
-                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per "
-                        "call, which other load on the machine disturbs far less (GB/s are then per core)")
+    add_clock_option(p, help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per "
+                             "call, which other load on the machine disturbs far less (GB/s are then per core)")
     args = p.parse_args(argv)
     global clock
-    clock = CLOCK[args.clock]
-    if args.clock == "cpu":  # before any kernel is loaded: the c runtime reads it then
-        os.environ["TEGULA_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
+    clock = use_clock(args.clock)
     torch.manual_seed(0)
     only = set(args.only.split(","))
     bw = measure_bandwidth(1 << 30, threads=1 if args.clock == "cpu" else None)

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import do_bench, measure_bandwidth, print_table, side_by_side, try_compile
+from bench.common import (
+    add_clock_option,
+    do_bench,
+    measure_bandwidth,
+    print_table,
+    side_by_side,
+    try_compile,
+    use_clock,
+)
 
 FP8_MAX = 448.0
 
@@ -146,17 +153,14 @@ def main(argv=None):
     p.add_argument("--gib", type=float, default=1.0, help="working set read per kernel, GiB (default 1)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile peers (slow to build)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call")
+    add_clock_option(p)
     p.add_argument("--only", default="copy,add,softmax,rmsnorm,rmsnorm_fp8,swiglu",
                    help="comma-separated rows to run")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    if args.clock == "cpu":  # before any OpenMP runtime or kernel is loaded: they read these then
-        os.environ["TEGULA_NUM_THREADS"] = "1"
+    if args.clock == "cpu":  # before any OpenMP runtime is loaded: it reads this then
         os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = use_clock(args.clock)
     nthreads = 1 if args.clock == "cpu" else torch.get_num_threads()
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import Timing, do_bench, measure_bandwidth, print_table, try_compile  # noqa: E402
+from bench.common import Timing, add_clock_option, do_bench, measure_bandwidth, print_table, try_compile, use_clock  # noqa: E402
 from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
 from tegula.ops import _swiglu, _tk, moe, norm  # noqa: E402
@@ -183,14 +183,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers (slow to build)")
     p.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call")
+    add_clock_option(p)
     args = p.parse_args(argv)
-    timer = do_bench
-    if args.clock == "cpu":  # before any kernel is loaded: the c runtime reads it then
-        os.environ["TEGULA_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-        timer = cpu_bench
+    use_clock(args.clock)
+    timer = cpu_bench if args.clock == "cpu" else do_bench
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
     bw = measure_bandwidth(nbytes, threads=1 if args.clock == "cpu" else None, bench=timer)
