@@ -35,22 +35,9 @@ MAX_WIDE_BYTES = 512 * 1024  # at most this much widened staging per loop (it st
 
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
-    return dataclasses.replace(func, body=_visit(func.body, func))
-
-
-def _visit(s, func):
-    if isinstance(s, S.For) and s.kind in ("serial", "pipelined"):
-        s = dataclasses.replace(s, body=_visit(s.body, func))
-        out = _widen(s, func)
-        return s if out is None else out
-    if isinstance(s, S.Seq):
-        return S.Seq([_visit(c, func) for c in s.body], loc=s.loc)
-    if isinstance(s, (S.For, S.While, S.Kernel)):
-        return dataclasses.replace(s, body=_visit(s.body, func))
-    if isinstance(s, S.If):
-        return dataclasses.replace(s, then=_visit(s.then, func),
-                                   orelse=None if s.orelse is None else _visit(s.orelse, func))
-    return s
+    def widen(s):  # innermost loops first: a widened loop's body is already final
+        return _widen(s, func) if isinstance(s, S.For) and s.kind in ("serial", "pipelined") else None
+    return dataclasses.replace(func, body=rewrite.stmt(func.body, fs=widen))
 
 
 def _widen(loop: S.For, func: S.PrimFunc):
