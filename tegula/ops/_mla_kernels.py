@@ -325,9 +325,31 @@ def kv_dequant_fp8(block_tokens):
     return main
 
 
+def compact_indices():
+    """Sparse attention's key lists with the keys that count moved to the front: row r of Out holds, in order, the
+    entries Tab[r, t] with t < Lens[r] and 0 <= Tab[r, t] < n_tok, and Cnt[r] their number (Out past it is left as
+    it was). ``mla_decode`` then walks Cnt[r] keys instead of Lens[r], so skipped entries (-1) cost neither a
+    gather nor a share of the products."""
+    rows, cols = T.dynamic("rows"), T.dynamic("cols")
+
+    @T.prim_func
+    def main(Tab: T.Tensor((rows, cols), "int32"), Lens: T.Tensor((rows,), "int32"),
+             Out: T.Tensor((rows, cols), "int32"), Cnt: T.Tensor((rows,), "int32"), n_tok: T.int32):
+        with T.Kernel(rows, threads=1) as r:
+            n = T.alloc_var("int32", 0)
+            for t in T.serial(T.min(Lens[r], cols)):
+                idx = Tab[r, t]
+                Out[r, n] = idx   # n <= t: in the row; overwritten by the next key when idx does not count
+                n = n + T.if_then_else(idx >= 0 and idx < n_tok, 1, 0)
+            Cnt[r] = n
+
+    return main
+
+
 _FACTORIES: dict = {}
 _MAKERS = {"decode": (mla_decode, None), "combine": (mla_combine, None), "quant": (kv_quant_fp8, None),
-           "dequant": (kv_dequant_fp8, None)}
+           "dequant": (kv_dequant_fp8, None),
+           "compact": (compact_indices, None)}
 
 
 def get(kind: str, target: str, *args):

@@ -308,6 +308,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
     target = _target()
     kva, kvs, kvr, (sb, rs, hs) = _cache_views(k_cache, is_fp8_kvcache)
+    n_tok = nb * ps
+    if sparse:
+        tab, lens = _compact(tab, lens, min(n_tok, 2**31 - 1))
     qv = q.contiguous().view(groups, sq_k, h_kv, hpk, d)
     out = torch.empty(b, s_q, h_q, head_dim_v, dtype=q.dtype)
     lse = torch.empty((b, s_q, h_q) if sparse else (b, h_q, s_q), dtype=torch.float32)
@@ -319,13 +322,21 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     lsev = lse.view(groups, h_kv, hpk, sq_k)
     kern = K.get("decode", target, rb, nrb, sq_k, hpk, h_kv, d, head_dim_v, ps, sparse, bool(causal),
                  bool(is_fp8_kvcache), _dt(q.dtype), attn_sink is not None, False)
-    n_tok = nb * ps
     kern(qv, kva, kvs, kvr, tab, lens, sched, sink, outv, lsev, _dummy_max(h_kv, hpk, sq_k), opart, lpart,
          int(sb), int(rs), int(hs), int(min(n_tok, 2**31 - 1)), scale)
     if n_slots:
         comb = K.get("combine", target, sq_k, hpk, h_kv, head_dim_v, _dt(q.dtype), attn_sink is not None)
         comb(opart, lpart, ns, sink, outv, lsev)
     return out, (lse.transpose(1, 2) if sparse else lse)
+
+
+def _compact(tab, lens, n_tok):
+    """(key lists, counts) of sparse attention with the entries that name a cache row (in [0, n_tok), within the
+    first lens[r]) moved to the front of each row, the rest skipped."""
+    torch = _torch()
+    out, cnt = torch.empty_like(tab), torch.empty_like(lens)
+    K.get("compact", _target())(tab, lens, out, cnt, int(n_tok))
+    return out, cnt
 
 
 def _check_pages(tab, lens, nb, ps):
@@ -445,6 +456,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     else:
         lens = torch.full((s_q,), topk, dtype=torch.int32)
     kva, (sb, _, _) = _flat(kv)
+    tab, lens = _compact(indices.reshape(s_q, topk).contiguous(), lens, s_kv)
     g = torch.arange(s_q, dtype=torch.int32)
     sched = torch.stack([g, torch.zeros_like(g), lens, torch.full_like(g, -1)], 1)
     out = torch.empty(s_q, h_q, d_v, dtype=q.dtype)
@@ -455,7 +467,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     kern = K.get("decode", _target(), rb, nrb, 1, h_q, 1, d, d_v, 1, True, False, False, _dt(q.dtype),
                  attn_sink is not None, True)
     kern(q.contiguous().view(s_q, 1, 1, h_q, d), kva, torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16),
-         indices.reshape(s_q, topk).contiguous(), lens, sched, sink, out.view(s_q, 1, 1, h_q, d_v),
+         tab, lens, sched, sink, out.view(s_q, 1, 1, h_q, d_v),
          lse.view(s_q, 1, h_q, 1), max_logits.view(s_q, 1, h_q, 1), torch.empty(1, 1, h_q, d_v),
          torch.empty(1, 1, h_q), int(sb), 0, 0, int(s_kv), float(sm_scale))
     return out, max_logits, lse

@@ -236,6 +236,38 @@ def test_sparse_decode(fp8):
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0])) and torch.isinf(lse[0, :, 0]).all()
 
 
+
+def test_sparse_keys_compacted():
+    """The keys that count (inside the cache, within topk_length) go to the front of each row in order; the decode
+    kernel then walks only those."""
+    idx = torch.randint(-3, 40, (5, 33), dtype=torch.int32)
+    idx[1] = -1
+    idx[2, :] = torch.arange(33)
+    lens = torch.tensor([33, 33, 20, 0, 7], dtype=torch.int32)
+    tab, cnt = A._compact(idx, lens, 30)
+    for r in range(5):
+        row = idx[r, :int(lens[r])]
+        want = row[(row >= 0) & (row < 30)]
+        assert int(cnt[r]) == want.numel()
+        assert torch.equal(tab[r, :want.numel()], want)
+
+
+def test_sparse_decode_mostly_invalid():
+    """Few valid keys in long index lists: the schedule splits each query's top-k positions over cores, and after
+    the valid keys move to the front most of those pieces are empty (their partials must not count)."""
+    b, s_q, h_q, topk, d, dv, ps = 1, 2, 16, 1024, 576, 512, 64
+    stored, deq, idx = sparse_case(b, s_q, h_q, topk, 20, ps, d, False)
+    last = idx[0, 1][idx[0, 1] >= 0][-1].clone()     # a key whose cache row holds numbers (unused rows: NaN)
+    idx[torch.rand(b, s_q, topk) < 0.9] = -1
+    idx[0, 1, -1] = last                              # a valid key at the last position
+    q = query((b, s_q, h_q, d), torch.bfloat16)
+    out, lse = A.flash_mla_with_kvcache(q, stored, None, None, dv, A.get_mla_metadata()[0], indices=idx)
+    ro, rl, _ = ref_sparse(q.view(b * s_q, h_q, d), deq, idx.view(b * s_q, topk), None, dv, d ** -0.5, None,
+                           deq.shape[0])
+    check("out", out, ro.view(b, s_q, h_q, dv).bfloat16(), 1e-3, 2.01 / 128, 5e-6)
+    check("lse", lse, rl.view(b, s_q, h_q).transpose(1, 2), 1e-6, 8.01 / 65536)
+
+
 # sparse prefill -------------------------------------------------------------------------------------------------
 
 def prefill_case(s_q, s_kv, h_q, topk, d):
