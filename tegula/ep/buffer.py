@@ -69,6 +69,7 @@ class Buffer:
         self._num_dispatches = self._num_ll_dispatches = 0
         self._zero_copy = None
         self._private = {}  # receive regions of a rank that receives outside shared memory
+        self._launches = {}  # kernels bound to the window and the shapes of recent calls (kernels.dispatch_scatter)
 
     @property
     def transports(self) -> list[str]:
@@ -78,6 +79,7 @@ class Buffer:
     def destroy(self) -> None:
         """Release the segments (views handed out keep their memory until they are dropped). Later calls raise."""
         if self._comm is not None:
+            self._launches.clear()  # they hold views of the window
             self._comm.close()
             self._comm = None
 
@@ -399,7 +401,8 @@ class Buffer:
 
         def write_all(dests):  # every receiver here in one pass over the tokens: rows, scales, local top-k, ids
             return kernels.dispatch_scatter(x_c, s_c, ti_c, tw_c, send_head, self._region_of(offset, x.device),
-                                            {r: (v, int(start[me, r])) for r, v in dests.items()}, n_local)
+                                            {r: (v, int(start[me, r])) for r, v in dests.items()}, n_local,
+                                            self._launches)
 
         mine = self._move(
             "dispatch", x.device, offset, self._nvl_third, plans,

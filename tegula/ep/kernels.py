@@ -251,47 +251,77 @@ def copy_rows(x, src, dst, y) -> None:
     copy_rows_kernel(str(xv.dtype)[6:], xv.shape[1])(xv, src, dst, yv)
 
 
-def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, dests, n_local: int) -> bool:
+def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, dests, n_local: int,
+                     cache=None) -> bool:
     """Dispatch's rows into every receiver this rank writes, in one pass over its tokens (each row read once).
     ``dests``: {rank r: (r's arrays x, x_scales, topk_idx, topk_weights, src_idx, all views of the uint8 tensor
     ``window``; the row where this rank's rows begin there)}. Token t goes to r at that row + send_head[t, r]
     (int32 [T, R], -1: not sent), with its scales, its top-k made local to r's experts [r * n_local, (r + 1) *
     n_local) (-1 and weight 0 elsewhere) and its id. x_scales and the top-k may be None. Returns False, doing
-    nothing, where the compiled kernel does not serve (the caller moves the rows another way)."""
+    nothing, where the compiled kernel does not serve (the caller moves the rows another way).
+    ``cache``: a dict owned by the caller (who keeps ``window`` alive while it holds the dict) where the kernel,
+    bound once per window and shapes, is kept: a later call of the same shapes launches it without checking or
+    converting any argument again."""
     import torch
     if not _compiled(x) or window is None:
         return False
     t, r_n = send_head.shape
     if t == 0 or not dests:
         return True
-    # each array as rows of words: x and its scales in the widest word dividing a row, the top-k as they are;
-    # an absent array is a one-word stand-in, never read (the kernel is built without it)
-    stand_in = torch.zeros((1, 1), dtype=torch.int32)
-    src = {"x": _word_view(x, x.shape[1] * x.element_size()),
-           "x_scales": stand_in if x_scales is None else _word_view(x_scales,
-                                                                     x_scales.shape[1] * x_scales.element_size()),
-           "topk_idx": stand_in.long() if topk_idx is None else topk_idx,
-           "topk_weights": stand_in.float() if topk_weights is None else topk_weights.contiguous()}
-    names = ("x", "x_scales", "topk_idx", "topk_weights", "src_idx")
-    width = {n: src[n].shape[1] for n in names[:4]}
-    width["src_idx"] = 1
-    win = {n: window.view(src[n].dtype) for n in names[:4]}
-    win["src_idx"] = window.view(torch.int32)
-    base = torch.full((5, r_n), -1, dtype=torch.int64)  # where row 0 of this rank's rows is at each receiver
-    for r, (views, row0) in dests.items():
-        for i, n in enumerate(names):
-            if n in views:
-                base[i, r] = (views[n].data_ptr() - window.data_ptr()) // win[n].element_size() + row0 * width[n]
-
-    def rows(n):  # rows of the window starting at every element
-        return win[n].as_strided((win[n].numel() - width[n] + 1, width[n]), (1, 1))
-
-    k = dispatch_scatter_kernel(str(src["x"].dtype)[6:], width["x"], str(src["x_scales"].dtype)[6:],
-                                0 if x_scales is None else width["x_scales"],
-                                0 if topk_idx is None else width["topk_idx"])
-    k(src["x"], src["x_scales"], src["topk_idx"], src["topk_weights"], send_head, base, rows("x"), rows("x_scales"),
-      rows("topk_idx"), rows("topk_weights"), win["src_idx"], n_local)
+    xw = _word_view(x, x.shape[1] * x.element_size())
+    sw = None if x_scales is None else _word_view(x_scales, x_scales.shape[1] * x_scales.element_size())
+    key = (window.data_ptr(), window.numel(), xw.dtype, tuple(xw.shape), r_n, n_local, send_head.dtype) + (
+        () if sw is None else (sw.dtype, tuple(sw.shape))) + (
+        () if topk_idx is None else (topk_idx.dtype, topk_weights.dtype, tuple(topk_idx.shape),
+                                     tuple(topk_weights.shape)))
+    launch = None if cache is None else cache.get(key)
+    if launch is None:
+        launch = _ScatterLaunch(xw, sw, topk_idx, topk_weights, send_head, window, n_local)
+        if cache is not None:
+            if len(cache) >= 8:  # shapes seen long ago: drop them rather than grow without bound
+                cache.clear()
+            cache[key] = launch
+    launch(xw, sw, topk_idx, topk_weights, send_head, dests)
     return True
+
+
+class _ScatterLaunch:
+    """dispatch_scatter_kernel bound to one window and one set of shapes: the window's row views, the stand-ins
+    of absent arrays and the table of where each receiver's rows begin are made (and checked) once; a call fills
+    the table in and launches with the varying tensors' addresses."""
+
+    _NAMES = ("x", "x_scales", "topk_idx", "topk_weights", "src_idx")
+
+    def __init__(self, xw, sw, topk_idx, topk_weights, send_head, window, n_local):
+        import torch
+        r_n = send_head.shape[1]
+        # an absent array is a one-word stand-in, never read (the kernel is built without it)
+        self.stand_in = (torch.zeros((1, 1), dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int64),
+                         torch.zeros((1, 1), dtype=torch.float32))
+        src = (xw, self.stand_in[0] if sw is None else sw, self.stand_in[1] if topk_idx is None else topk_idx,
+               self.stand_in[2] if topk_weights is None else topk_weights)
+        win = [window.view(a.dtype) for a in src] + [window.view(torch.int32)]
+        self.width = [a.shape[1] for a in src] + [1]
+        self.esize = [w.element_size() for w in win]
+        self.window = window.data_ptr()
+        self.base = torch.full((5, r_n), -1, dtype=torch.int64)  # row 0 of this rank's rows at each receiver
+        self.base_np = self.base.numpy()
+        rows = [w.as_strided((w.numel() - n + 1, n), (1, 1)) for w, n in zip(win[:4], self.width)]  # every start
+        k = dispatch_scatter_kernel(str(xw.dtype)[6:], self.width[0], str(src[1].dtype)[6:],
+                                    0 if sw is None else self.width[1], 0 if topk_idx is None else self.width[2])
+        self.launch = k.bind(*src, send_head.contiguous(), self.base, *rows, win[4], n_local, vary=range(5))
+
+    def __call__(self, xw, sw, topk_idx, topk_weights, send_head, dests):
+        base = self.base_np
+        base.fill(-1)
+        for r, (views, row0) in dests.items():
+            for i, n in enumerate(self._NAMES):
+                v = views.get(n)
+                if v is not None:
+                    base[i, r] = (v.data_ptr() - self.window) // self.esize[i] + row0 * self.width[i]
+        self.launch(xw.contiguous(), self.stand_in[0] if sw is None else sw.contiguous(),
+                    self.stand_in[1] if topk_idx is None else topk_idx.contiguous(),
+                    self.stand_in[2] if topk_weights is None else topk_weights.contiguous(), send_head.contiguous())
 
 
 def gather_sum(a, b, idx, w=None, bias=(), out=None):
@@ -316,11 +346,29 @@ def gather_sum(a, b, idx, w=None, bias=(), out=None):
     if b.numel() < h:  # no row of b: any row will do (no index reaches it)
         b = a.view(-1)
     rows = b.as_strided((b.numel() - h + 1, h), (1, 1))  # rows starting at every element of b
+    # the kernel's w and bias when they are not used: any tensors of their shapes
+    unread = idx.view(torch.float32).view(-1)[:n * s].view(n, s) if w is None else w
+    args = (a, rows, idx, unread, bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
+    key = (a.dtype, h, w is not None, len(bias), a.shape[0], rows.shape[0], n, s)
+    launch = _GATHER_LAUNCHES.get(key)
+    if launch is not None and all(t.is_contiguous() for t in args if t is not rows):
+        launch(*args)
+        return out
     block = next(c for c in (256, 32, 8, 1) if h % c == 0)
     k = gather_sum_kernel(str(a.dtype)[6:], h, w is not None, len(bias), block)
-    unread = idx.view(torch.float32)[:, ::2] if w is None else w  # the kernel's w and bias when they are not used
-    k(a, rows, idx, unread.contiguous(), bias[0] if bias else out, bias[1] if len(bias) > 1 else out, out)
+    if not all(t.is_contiguous() for t in args if t is not rows):
+        k(*args)  # checked as any call (a strided argument is an error there)
+        return out
+    if len(_GATHER_LAUNCHES) >= 16:  # shapes seen long ago: drop them rather than grow without bound
+        _GATHER_LAUNCHES.clear()
+    # every tensor varies (the launcher keeps none alive); a later call of the same shapes, with contiguous
+    # tensors and b's rows made as here, launches with their addresses alone
+    launch = _GATHER_LAUNCHES[key] = k.bind(*args)
+    launch(*args)
     return out
+
+
+_GATHER_LAUNCHES: dict = {}  # gather_sum_kernel bound per dtype, row length, weights, biases and shapes
 
 
 def cast_to_fp8(x, round_scale: bool = False):

@@ -33,18 +33,28 @@ def _sum_reference(a, b, idx, w, bias, h):
 @pytest.mark.parametrize("dtype,h", [(torch.bfloat16, 512), (torch.bfloat16, 40), (torch.float32, 8)])
 @pytest.mark.parametrize("weighted,nbias", [(False, 0), (True, 1), (False, 2)])
 def test_gather_sum_matches_torch(dtype, h, weighted, nbias):
+    """Twice with new tensors of the same shapes: the second call goes through the launcher bound by the first."""
     g = torch.Generator().manual_seed(h + 3 * nbias + weighted)
     n, na, s = 37, 11, 3
-    a = torch.randn((na, h), generator=g).to(dtype)
-    b = torch.randn(5 * h + 7, generator=g).to(dtype)
-    # rows of a, rows of b starting at unaligned elements (up to the last whole row), and entries adding nothing
-    choices = torch.tensor([0, 3, na - 1, na, na + 1, na + 3 * h + 5, na + 4 * h + 7, -1, na + 4 * h + 8, na - 20])
-    idx = choices[torch.randint(0, len(choices), (n, s), generator=g)]
-    w = torch.rand((n, s), generator=g) if weighted else None
-    bias = tuple(torch.randn((n, h), generator=g).to(dtype) for _ in range(nbias))
-    got = kernels.gather_sum(a, b, idx, w, bias)
-    assert torch.equal(got, _sum_reference(a, b, idx, w, bias, h))
-    assert torch.equal(got, kernels._gather_sum_torch(a, b, idx, w, bias, torch.empty_like(got)))
+    for _ in range(2):
+        a = torch.randn((na, h), generator=g).to(dtype)
+        b = torch.randn(5 * h + 7, generator=g).to(dtype)
+        # rows of a, rows of b starting at unaligned elements (up to the last whole row), entries adding nothing
+        choices = torch.tensor([0, 3, na - 1, na, na + 1, na + 3 * h + 5, na + 4 * h + 7, -1, na + 4 * h + 8,
+                                na - 20])
+        idx = choices[torch.randint(0, len(choices), (n, s), generator=g)]
+        w = torch.rand((n, s), generator=g) if weighted else None
+        bias = tuple(torch.randn((n, h), generator=g).to(dtype) for _ in range(nbias))
+        got = kernels.gather_sum(a, b, idx, w, bias)
+        assert torch.equal(got, _sum_reference(a, b, idx, w, bias, h))
+        assert torch.equal(got, kernels._gather_sum_torch(a, b, idx, w, bias, torch.empty_like(got)))
+
+
+@needs_c
+def test_gather_sum_rejects_a_strided_row_tensor():
+    a = torch.zeros((4, 16), dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError)):
+        kernels.gather_sum(a[:, ::2], torch.zeros(64, dtype=torch.bfloat16), torch.zeros((3, 2), dtype=torch.int64))
 
 
 @needs_c
@@ -58,9 +68,18 @@ def test_gather_sum_without_rows_of_a():
 
 @needs_c
 @pytest.mark.parametrize("scales,k", [(None, 4), ((3, torch.float32), 8), (None, 0)])
-def test_dispatch_scatter_writes_what_the_gathers_would(scales, k):
-    """Three receivers in one window (rank 1 is not written here), each from its own first row."""
-    g = torch.Generator().manual_seed(k)
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_dispatch_scatter_writes_what_the_gathers_would(scales, k, rounds):
+    """Three receivers in one window (rank 1 is not written here), each from its own first row. With a cache, new
+    tensors of the same shapes and other first rows go through the launcher the first round bound."""
+    cache = {} if rounds > 1 else None
+    for i in range(rounds):
+        _scatter_round(scales, k, 5 + 2 * i, cache, seed=k + 10 * i)
+    assert cache is None or len(cache) == 1
+
+
+def _scatter_round(scales, k, first, cache, seed):
+    g = torch.Generator().manual_seed(seed)
     t, h, n_exp, n_local, r_n = 23, 96, 16, 4, 4
     x = torch.randn((t, h), generator=g).to(torch.bfloat16)
     xs = torch.randn((t, scales[0]), generator=g) if scales else None
@@ -68,20 +87,20 @@ def test_dispatch_scatter_writes_what_the_gathers_would(scales, k):
     tw = torch.rand((t, k), generator=g) if k else None
     in_rank = torch.rand((t, r_n), generator=g) < 0.6
     tokens, send_head = send_lists(in_rank)
-    plans = [dispatch_plan(5 + r + int(in_rank[:, r].sum()) + 2, h, x.dtype, scales, k) for r in range(r_n)]
+    plans = [dispatch_plan(9 + r + int(in_rank[:, r].sum()) + 2, h, x.dtype, scales, k) for r in range(r_n)]
     at = [0]
     for p in plans:
         at.append(at[-1] + p.nbytes + 64)  # regions one after another, 64 bytes apart
-    window = torch.full((at[-1],), 0x5A, dtype=torch.uint8)
+    window = _WINDOW.fill_(0x5A)  # the same window every round
     before = window.clone()
     views = [p.views(window[at[r]:at[r] + p.nbytes]) for r, p in enumerate(plans)]
-    dests = {r: (views[r], 5 + r) for r in (0, 2, 3)}
-    assert kernels.dispatch_scatter(x, xs, ti, tw, send_head, window, dests, n_local)
+    dests = {r: (views[r], first + r) for r in (0, 2, 3)}
+    assert kernels.dispatch_scatter(x, xs, ti, tw, send_head, window, dests, n_local, cache)
     for r in range(r_n):
         if r not in dests:
             assert torch.equal(window[at[r]:at[r + 1]], before[at[r]:at[r + 1]])
             continue
-        row0, sel = 5 + r, tokens[r].long()
+        row0, sel = first + r, tokens[r].long()
         rows = slice(row0, row0 + len(sel))
         want = {"x": x[sel], "src_idx": tokens[r]}
         if scales:
@@ -93,6 +112,9 @@ def test_dispatch_scatter_writes_what_the_gathers_would(scales, k):
             old = plans[r].views(before[at[r]:at[r] + plans[r].nbytes])[f]
             assert torch.equal(v[rows], want[f]), (r, f)
             assert torch.equal(v[:row0], old[:row0]) and torch.equal(v[rows.stop:], old[rows.stop:]), (r, f)
+
+
+_WINDOW = torch.empty(1 << 20, dtype=torch.uint8)
 
 
 def test_empty_reuses_a_mapping_only_once_nothing_refers_to_it():
