@@ -10,28 +10,42 @@ KEY_MIN = -(2**63)
 SIGMOID, SQRTSOFTPLUS, SOFTMAX = 0, 1, 2
 
 
+ORDER_NEG_INF = -2139095041  # order_key's value part for -inf (NaNs with the sign bit set order below it)
+
+
 @T.macro
-def select_topk(v, out_idx, BM, E, K):
-    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index; -0.0 equals 0.0), for k < K.
-    Each entry gets a distinct int64 key, its value's bits made order-preserving above (E - 1 - j), so one masked
-    max per k finds the next entry: the largest key below the previous one. (One row per block vectorises best:
-    the loops then run along the experts.)"""
-    key = T.alloc_fragment((BM, E), "int64")
-    masked = T.alloc_fragment((BM, E), "int64")
-    best = T.alloc_fragment((BM,), "int64")
-    for i, j in T.Parallel(BM, E):
-        x = v[i, j]
-        bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
-        order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        key[i, j] = T.cast(order, "int64") * 4294967296 + (E - 1 - j)
+def order_key(x, j, E):
+    """A distinct int64 key for expert j of value x: x's bits made order-preserving (-0.0 as 0.0) above (E - 1 - j),
+    so keys order as the values do, ties to the lower index."""
+    bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
+    order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return T.cast(order, "int64") * 4294967296 + (E - 1 - j)
+
+
+@T.macro
+def select_keys(key, out_idx, best, BM, N, E, K):
+    """out_idx[i, k] = the expert of the k-th largest of key[i, :N] (order_key's keys), for k < K; best[i] ends as
+    the K-th key. One masked max per k finds the next entry: the largest key below the previous one. (One row per
+    block vectorises best: the loops then run along the experts.)"""
+    masked = T.alloc_fragment((BM, N), "int64")
     T.reduce_max(key, best, dim=1)
     for k in T.serial(K):
         if k > 0:
-            for i, j in T.Parallel(BM, E):
+            for i, j in T.Parallel(BM, N):
                 masked[i, j] = T.if_then_else(key[i, j] < best[i], key[i, j], KEY_MIN)
             T.reduce_max(masked, best, dim=1)
         for i in T.Parallel(BM):
             out_idx[i, k] = E - 1 - T.cast(best[i] & 4294967295, "int32")
+
+
+@T.macro
+def select_topk(v, out_idx, BM, E, K):
+    """out_idx[i, k] = the k-th largest of v[i, :] (ties: the lower index; -0.0 equals 0.0), for k < K."""
+    key = T.alloc_fragment((BM, E), "int64")
+    best = T.alloc_fragment((BM,), "int64")
+    for i, j in T.Parallel(BM, E):
+        key[i, j] = order_key(v[i, j], j, E)
+    select_keys(key, out_idx, best, BM, E, E, K)
 
 
 def topk_gate(E, K, BM=1):
@@ -80,9 +94,10 @@ def log1p_f32(u):
 
 
 def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=1):
-    """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate."""
+    """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate. RL maps
+    each global (physical) expert to its number on this rank, or -1 (tegula.ops.moe._rank_local)."""
     NT, NL, ND, UST = T.dynamic("num_tokens"), T.dynamic("num_logical"), T.dynamic("num_dup"), T.dynamic("u_stride")
-    NM, NF = T.dynamic("mask_len"), T.dynamic("fix_len")
+    NM, NF, NR = T.dynamic("mask_len"), T.dynamic("fix_len"), T.dynamic("num_global_experts")
     KP = K + n_shared
     grouped = NG != NTG
     EPG = E // NG if grouped else E
@@ -91,8 +106,8 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
     def top2_sum_gate(L: T.Tensor((NT, E), "float32"), B: T.Tensor((E,), "float32"), M: T.Tensor((NM,), "int8"),
                       F: T.Tensor((NF,), "int8"), PM: T.Tensor((NL, ND), "int32"), LC: T.Tensor((NL,), "int32"),
                       I: T.Tensor((NT, KP), "int64"), U: T.StridedTensor((NT, K), (UST, 1), "int64"),
-                      Wo: T.Tensor((NT, KP), "float32"), num_extra: T.int32, scale: T.float32, ep_rank: T.int32,
-                      num_ep_ranks: T.int32, tp_rank: T.int32, num_tp_ranks: T.int32):
+                      Wo: T.Tensor((NT, KP), "float32"), RL: T.Tensor((NR,), "int32"), scale: T.float32,
+                      ep_rank: T.int32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM
             s = T.alloc_fragment((BM, E), "float32")
@@ -138,11 +153,32 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 for i, g, h in T.Parallel(BM, NG, NG):
                     above[i, g, h] = T.cast(t1[i, h] > t1[i, g] or (t1[i, h] == t1[i, g] and h < g), "int32")
                 T.reduce_sum(above, rank, dim=2)
-                for i, g, j in T.Parallel(BM, NG, EPG):
-                    if rank[i, g] >= NTG:
-                        bg[i, g, j] = NEG_INF
             sel = T.alloc_fragment((BM, K), "int32")
-            select_topk(b, sel, BM, E, K)
+            full = T.alloc_var("int32", 1)
+            if grouped and NTG * EPG >= K:
+                # the K best among the kept groups' experts only (keys carry the expert's index); they are the K best
+                # of all unless the K-th is -inf (or a NaN below it), where a dropped group's -inf could rank instead
+                slot = T.alloc_fragment((BM, NTG), "int32")
+                keyc = T.alloc_fragment((BM, NTG, EPG), "int64")
+                kth = T.alloc_fragment((BM,), "int64")
+                for i in T.serial(BM):
+                    for g in T.serial(NG):
+                        if rank[i, g] < NTG:
+                            slot[i, rank[i, g]] = g
+                for i, g, j in T.Parallel(BM, NTG, EPG):
+                    e = slot[i, g] * EPG + j
+                    keyc[i, g, j] = order_key(b[i, e], e, E)
+                select_keys(T.reshape(keyc, (BM, NTG * EPG)), sel, kth, BM, NTG * EPG, E, K)
+                full = 0
+                for i in T.serial(BM):
+                    if kth[i] < (ORDER_NEG_INF + 1) * 4294967296:
+                        full = 1
+            if full != 0:
+                if grouped:
+                    for i, g, j in T.Parallel(BM, NG, EPG):
+                        if rank[i, g] >= NTG:
+                            bg[i, g, j] = NEG_INF
+                select_topk(b, sel, BM, E, K)
             if fix_on:
                 for i, k in T.Parallel(BM, K):
                     r = T.min(r0 + i, NT - 1)
@@ -172,20 +208,13 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 for i, k in T.Parallel(BM, K):
                     if r0 + i < NT:
                         U[r0 + i, k] = T.if_then_else(active[i] != 0, idx[i, k], T.cast(-1, "int64"))
-            epr = (E + num_extra) // num_ep_ranks
-            epd = epr * num_tp_ranks
             for i, k in T.Parallel(BM, KP):
-                e = idx[i, k]
+                e = T.cast(idx[i, k], "int32")
                 if phys_on:
                     tok = T.cast(r0 + i, "int64")
-                    dup = (T.cast(ep_rank, "int64") + tok * 23333) % T.cast(LC[T.cast(e, "int32")], "int64")
-                    e = T.cast(PM[T.cast(e, "int32"), T.cast(dup, "int32")], "int64")
-                dst = e // T.cast(epr, "int64")
-                e2 = e - T.cast(tp_rank * epr, "int64")
-                dp = e2 // T.cast(epd, "int64")
-                e2 = e2 - dp * T.cast(epd, "int64") + dp * T.cast(epr, "int64")
-                e2 = T.if_then_else(dst % T.cast(num_tp_ranks, "int64") != T.cast(tp_rank, "int64") or e2 < 0,
-                                    T.cast(-1, "int64"), e2)
+                    dup = (T.cast(ep_rank, "int64") + tok * 23333) % T.cast(LC[e], "int64")
+                    e = PM[e, T.cast(dup, "int32")]
+                e2 = T.cast(RL[T.clamp(e, 0, NR - 1)], "int64")
                 idx[i, k] = T.if_then_else(active[i] != 0, e2, T.cast(-1, "int64"))
                 wt[i, k] = T.if_then_else(active[i] != 0, wt[i, k], 0.0)
             T.copy(idx, I[r0, 0])

@@ -157,6 +157,11 @@ def top2_sum_gate(logits, bias, num_topk: int, num_topk_groups: int, num_groups:
             raise ValueError(f"to_physical_map and logical_count must have {e + ns} rows (routed + shared experts)")
         extra = to_physical_map.shape[1] - 1
         pm, lc = to_physical_map.contiguous(), logical_count.contiguous()
+        if int(lc.min()) < 1 or int(lc.max()) > extra + 1:
+            raise ValueError(f"logical_count entries must lie in [1, {extra + 1}] (to_physical_map's columns)")
+        used = pm[t.arange(extra + 1).unsqueeze(0) < lc.unsqueeze(1)]  # the first logical_count[x] of row x
+        if int(used.min()) < 0 or int(used.max()) >= e + extra:
+            raise ValueError(f"to_physical_map's used entries must lie in [0, {e + extra}) (routed + extra experts)")
     else:
         pm, lc = t.zeros((1, 1), dtype=t.int32), t.ones(1, dtype=t.int32)
     if ns > extra:
@@ -169,16 +174,37 @@ def top2_sum_gate(logits, bias, num_topk: int, num_topk_groups: int, num_groups:
         if unmapped_topk_idx.stride(1) != 1:
             raise ValueError("unmapped_topk_idx must have a contiguous last dim")
         u = unmapped_topk_idx
-    else:
-        u = t.zeros((n, kk), dtype=t.int64)
+    else:  # not written (the kernel is built without it): one row seen n times, nothing to fill
+        u = t.zeros((1, kk), dtype=t.int64).expand(n, kk)
     topk_idx = t.empty((n, kp), dtype=t.int64)
     weights = t.empty((n, kp), dtype=t.float32)
     if n > 0:
         k = _tk.kernel(K.top2_sum_gate, e, kk, ng, ntg, _SCORING[scoring], ns, mask is not None,
                        fix_routing_mask is not None, unmapped_topk_idx is not None, to_physical_map is not None)
-        k(logits.contiguous(), bias.contiguous(), m8, f8, pm, lc, topk_idx, u, weights, extra, scale, epr,
-          ep_ranks, tpr, tp_ranks)
+        k(logits.contiguous(), bias.contiguous(), m8, f8, pm, lc, topk_idx, u, weights,
+          _rank_local(e + extra, ep_ranks, tpr, tp_ranks), scale, epr)
     return topk_idx, weights
+
+
+_RANK_LOCAL: dict = {}
+
+
+def _rank_local(total: int, ep_ranks: int, tp_rank: int, tp_ranks: int):
+    """int32 (total,): each global expert's number on TP rank tp_rank, or -1 where another rank holds it (a table
+    per configuration: the kernel looks experts up instead of dividing for each)."""
+    key = (total, ep_ranks, tp_rank, tp_ranks)
+    table = _RANK_LOCAL.get(key)
+    if table is None:
+        per_rank = total // ep_ranks
+        per_dp = per_rank * tp_ranks
+        local = []
+        for e in range(total):
+            x = e - tp_rank * per_rank
+            dp = x // per_dp
+            x = x - dp * per_dp + dp * per_rank
+            local.append(-1 if (e // per_rank) % tp_ranks != tp_rank or x < 0 else x)
+        table = _RANK_LOCAL[key] = _tk.torch().tensor(local, dtype=_tk.torch().int32)
+    return table
 
 
 # the per-expert contiguous layout ---------------------------------------------------------------------------------

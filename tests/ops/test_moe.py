@@ -141,6 +141,26 @@ def test_top2_sum_gate(target, case):
         torch.testing.assert_close(w, rw, rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("ng,ntg,e,k,finite", [(8, 4, 256, 8, 32), (8, 2, 64, 8, 3), (8, 2, 64, 6, 3),
+                                                (4, 1, 16, 6, 4), (8, 1, 16, 4, 2)])
+def test_top2_sum_gate_kept_groups(target, ng, ntg, e, k, finite):
+    """The experts are chosen among the kept groups' only; where the k-th of them is -inf (here: `finite` experts
+    per group have a finite bias), a dropped group's expert (-inf after the group mask, lower index first) may rank
+    instead; ties everywhere. (NaN scores are not pinned down: torch ranks NaN groups first, tegula last.)"""
+    n = 24
+    logits, bias = torch.randn(n, e), torch.randn(e) * 0.1
+    bias.view(ng, -1)[:, finite:] = float("-inf")
+    logits[:8] = 0.0  # all scores equal: ties everywhere
+    bias[:4] = 0.0
+    logits[12:16] = float("-inf")  # sigmoid 0: the bias decides
+    logits[20] = -0.0
+    args = (logits, bias, k, ntg, ng, False, 0, 1.5, 0, 1, 0, 1, "sigmoid")
+    idx, w = moe.top2_sum_gate(*args)
+    ridx, rw = top2_sum_gate_ref(*args)
+    assert_equal(idx, ridx)
+    assert_equal(w, rw)
+
+
 # the per-expert contiguous layout ---------------------------------------------------------------------------------
 
 def random_topk_idx(n, e, k):
@@ -226,6 +246,7 @@ def test_bad_input_names_the_argument():
     s = torch.randn(4, 16)
     idx = torch.zeros(4, 2, dtype=torch.int64)
     args = (s, torch.zeros(16), 2, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "sigmoid")
+    pm = torch.arange(16, dtype=torch.int32).view(-1, 1).repeat(1, 2)
     for fn, exc, name in [
         (lambda: moe.topk_gate(s, 17), ValueError, "num_topk"),
         (lambda: moe.topk_gate(s.double(), 2), TypeError, "scores"),
@@ -235,6 +256,10 @@ def test_bad_input_names_the_argument():
         (lambda: moe.top2_sum_gate(*args, fix_routing_mask=torch.ones(4, dtype=torch.bool)), ValueError,
          "unmapped_topk_idx"),
         (lambda: moe.top2_sum_gate(*args, mask=torch.ones(3, dtype=torch.bool)), ValueError, "mask"),
+        (lambda: moe.top2_sum_gate(*args, to_physical_map=pm, logical_count=torch.zeros(16, dtype=torch.int32)),
+         ValueError, "logical_count"),
+        (lambda: moe.top2_sum_gate(*args, to_physical_map=pm + 17, logical_count=torch.ones(16, dtype=torch.int32)),
+         ValueError, "to_physical_map"),
         (lambda: moe.get_fused_mapping(idx + 16, 16, 0, 8), ValueError, "topk_idx"),
         (lambda: moe.get_fused_mapping(idx, 16, 8, 16), ValueError, "num_expanded_tokens"),
         (lambda: moe.get_fused_mapping(idx.int(), 16, 0, 8), TypeError, "topk_idx"),
