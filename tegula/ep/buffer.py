@@ -14,7 +14,8 @@ from tegula.ep.layout import (
     dtype_code,
     exclusive,
     localise,
-    send_lists,
+    send_head_of,
+    send_tokens,
     token_layout,
 )
 from tegula.ep.shm import CTRL_BYTES
@@ -262,11 +263,11 @@ class Buffer:
         """Enter the operation: trade ``header`` (which every rank must agree on, field by field) and ``extra``
         (per-rank values such as counts). Returns the int64 matrix [ranks, len(header) + len(extra)]."""
         m = self._comm.exchange(what, list(header) + list(extra), device)
-        for c, name in enumerate(names):
-            bad = [r for r in range(self.group_size) if m[r, c] != m[self.rank, c]]
-            if bad:
-                raise ValueError(f"tegula.ep: {what}: rank {bad[0]} has {name}={m[bad[0], c]} but rank {self.rank} "
-                                 f"has {m[self.rank, c]} (every rank must make the same call)")
+        differ = m[:, :len(names)] != m[self.rank, :len(names)]
+        if differ.any():
+            bad, c = (int(v[0]) for v in differ.T.nonzero()[::-1])  # the first field that differs, its first rank
+            raise ValueError(f"tegula.ep: {what}: rank {bad} has {names[c]}={m[bad, c]} but rank {self.rank} "
+                             f"has {m[self.rank, c]} (every rank must make the same call)")
         return m
 
     def _storage(self, rank, offset, capacity, plan: Plan, device, spans, what):
@@ -345,6 +346,10 @@ class Buffer:
                              "num_tokens_per_expert (from get_dispatch_layout), or a handle")
         if is_token_in_rank.dtype != torch.bool or tuple(is_token_in_rank.shape) != (t, r_n):
             raise TypeError(f"tegula.ep: dispatch: is_token_in_rank must be a [{t}, {r_n}] bool tensor")
+        if cached and (not isinstance(handle[5], torch.Tensor) or handle[5].dtype != torch.int32
+                       or tuple(handle[5].shape) != (t, r_n)):
+            raise TypeError("tegula.ep: dispatch: the handle's send_head is not the [num_tokens, num_ranks] int32 "
+                            "tensor an earlier dispatch returned")
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("tegula.ep: dispatch: pass topk_idx and topk_weights together")
         k = 0 if topk_idx is None else topk_idx.shape[-1]
@@ -377,7 +382,10 @@ class Buffer:
         slot = self._num_dispatches % 2
         self._num_dispatches += 1
 
-        tokens, send_head = send_lists(is_token_in_rank)
+        # where each token goes (the handle's, when repeating a layout); the token lists only where rows are
+        # gathered (torch.distributed peers, or no fused kernel)
+        send_head = handle[5] if cached else send_head_of(is_token_in_rank)
+        tokens = []
         x_c = x.contiguous()
         s_c = x_scales.contiguous() if x_scales is not None else None
         ti_c, tw_c = (topk_idx.contiguous(), topk_weights.contiguous()) if k else (None, None)
@@ -385,6 +393,8 @@ class Buffer:
         start = exclusive(prefix)  # start[s, r]: where rank s's rows begin at rank r
 
         def payload(r):  # what this rank sends r, row for row; (tensor, rows) pairs are gathered on the way
+            if not tokens:
+                tokens.extend(send_tokens(is_token_in_rank))
             tok = tokens[r]
             out = {"x": (x_c, tok), "src_idx": tok}
             if s_c is not None:

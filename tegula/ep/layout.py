@@ -103,15 +103,26 @@ def token_layout(topk_idx, num_experts: int, num_ranks: int, node_of=None):
 def send_lists(is_token_in_rank):
     """For each rank r: the tokens sent to r in token order (int32), and send_head [T, R] int32, the position of
     token t among them (-1 when not sent)."""
+    return send_tokens(is_token_in_rank), send_head_of(is_token_in_rank)
+
+
+def send_head_of(is_token_in_rank):
+    """send_head [T, R] int32: token t's position among the tokens sent to rank r, in token order (-1: not sent)."""
+    import torch
+    if is_token_in_rank.shape[0] == 0:
+        return torch.zeros(tuple(is_token_in_rank.shape), dtype=torch.int32, device=is_token_in_rank.device)
+    pos = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)  # pos[t, r] - 1: token t's place at r
+    return torch.where(is_token_in_rank, pos - 1, -1).to(torch.int32)
+
+
+def send_tokens(is_token_in_rank):
+    """For each rank r, the tokens sent to r in token order (int32)."""
     import torch
     t, r = is_token_in_rank.shape
     if t == 0:
-        return [torch.zeros(0, dtype=torch.int32, device=is_token_in_rank.device)] * r, \
-            torch.zeros((0, r), dtype=torch.int32, device=is_token_in_rank.device)
-    pos = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)  # pos[t, r] - 1: token t's place at r
-    send_head = torch.where(is_token_in_rank, pos - 1, -1).to(torch.int32)
+        return [torch.zeros(0, dtype=torch.int32, device=is_token_in_rank.device)] * r
     tokens = is_token_in_rank.t().nonzero()[:, 1].to(torch.int32)  # (rank, token) pairs, rank-major
-    return list(tokens.split(pos[-1].tolist())), send_head
+    return list(tokens.split(is_token_in_rank.sum(0).tolist()))
 
 
 def expert_positions(topk_idx, num_experts: int):
