@@ -136,18 +136,17 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 bg = T.reshape(b, (BM, NG, EPG))
                 t1 = T.alloc_fragment((BM, NG), "float32")
                 t2 = T.alloc_fragment((BM, NG), "float32")
-                first = T.alloc_fragment((BM, NG), "int32")
+                tops = T.alloc_fragment((BM, NG), "int32")
                 c1 = T.alloc_fragment((BM, NG, EPG), "int32")
                 rest = T.alloc_fragment((BM, NG, EPG), "float32")
-                T.reduce_max(bg, t1, dim=2)
-                for i, g, j in T.Parallel(BM, NG, EPG):
-                    c1[i, g, j] = T.if_then_else(bg[i, g, j] == t1[i, g], j, EPG)
-                T.reduce_min(c1, first, dim=2)
-                for i, g, j in T.Parallel(BM, NG, EPG):
-                    rest[i, g, j] = T.if_then_else(j == first[i, g], NEG_INF, bg[i, g, j])
+                T.reduce_max(bg, t1, dim=2)  # (NaN never wins: the max of the others, -inf if none)
+                for i, g, j in T.Parallel(BM, NG, EPG):  # the second best: the best again if it is there twice
+                    c1[i, g, j] = T.cast(bg[i, g, j] == t1[i, g], "int32")
+                    rest[i, g, j] = T.if_then_else(bg[i, g, j] < t1[i, g], bg[i, g, j], NEG_INF)
+                T.reduce_sum(c1, tops, dim=2)
                 T.reduce_max(rest, t2, dim=2)
                 for i, g in T.Parallel(BM, NG):
-                    t1[i, g] = t1[i, g] + t2[i, g]
+                    t1[i, g] = t1[i, g] + T.if_then_else(tops[i, g] > 1, t1[i, g], t2[i, g])
                 above = T.alloc_fragment((BM, NG, NG), "int32")
                 rank = T.alloc_fragment((BM, NG), "int32")
                 for i, g, h in T.Parallel(BM, NG, NG):
