@@ -12,7 +12,8 @@ buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted i
 one core of rank 0 is shown for reference (the ratios are against all cores). gloo =
 all_to_all_single of the same per-destination bytes. The four are interleaved in every repeat, so all of them see
 the same machine load. CPU ms (process CPU time; the memcpy's is summed over its threads) tells how much of a
-time was work when the machine is shared.
+time was work when the machine is shared; wait ms, how long each rank waited for the others inside a tegula.ep
+call (entering it, and for the peers' rows or reads), part of its time and, while it spins, of its CPU time.
 
 Outputs: recv_x and the received top-k are views of the receiver's segment (two receive slots, reused); combine's
 output comes from tegula.ep's cache of idle mappings (kernels.empty: the bench drops each result before the next
@@ -57,11 +58,15 @@ def _worker(args) -> None:
         return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
+    def waited():  # seconds this rank has spent waiting for its peers inside tegula.ep calls
+        shm = getattr(buf._comm, "shm", None)
+        return shm.waited_s if shm is not None else 0.0
+
     def timed(fn):
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, w0 = time.perf_counter(), time.process_time(), waited()
         out = fn()
-        return (time.perf_counter() - t0, time.process_time() - c0), out
+        return (time.perf_counter() - t0, time.process_time() - c0, waited() - w0), out
 
     # a bare gloo all_to_all_single of the same bytes of x
     send_bytes = [int(n) * h * 2 for n in per_rank.tolist()]
@@ -83,7 +88,7 @@ def _worker(args) -> None:
                    lambda: np.copyto(cpy_dst.numpy(), cpy_src.numpy())):  # glibc memcpy: non-temporal stores here
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            t = (time.perf_counter() - t0, time.process_time() - c0)
+            t = (time.perf_counter() - t0, time.process_time() - c0, 0.0)
             best = t if best is None or t[0] < best[0] else best
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -100,9 +105,9 @@ def _worker(args) -> None:
         pt, _ = timed(lambda: buf.combine(expert_out, handle, recv_w))  # x a private tensor: copied over
         gt, _ = timed(lambda: dist.all_to_all_single(a2a_dst, a2a_src, recv_split, send_bytes))
         dist.barrier()
-        mt = memcpy() if rank == 0 else (0.0, 0.0)
+        mt = memcpy() if rank == 0 else (0.0, 0.0, 0.0)
         dist.barrier()
-        m1 = memcpy(all_cores=False) if rank == 0 else (0.0, 0.0)
+        m1 = memcpy(all_cores=False) if rank == 0 else (0.0, 0.0, 0.0)
         if i >= 2:
             for name, v in zip(times, (dt, ct, pt, gt, mt, m1)):
                 times[name].append(v)
@@ -158,21 +163,28 @@ def main() -> None:
         return [max(r[key][i][0] for r in ranks) for i in range(len(ranks[0][key]))]
 
     def cpu(key):  # per repeat, the CPU time summed over the ranks that took part, per rank
-        busy = [r for r in ranks if any(c for _, c in r[key])]
+        busy = [r for r in ranks if any(v[1] for v in r[key])]
         return statistics.median(sum(r[key][i][1] for r in busy) / len(busy) for i in range(len(ranks[0][key])))
+
+    def waits(key):  # each rank's median time waiting for its peers inside the call (tegula.ep's calls only)
+        if key not in ("dispatch", "combine", "combine_private"):
+            return ""
+        return "/".join(f"{statistics.median(v[2] for v in r[key]) * 1e3:.2f}" for r in ranks)
 
     medians = {k: statistics.median(slowest(k)) for k in names}
     rows = []
     for key, label in names.items():
         ts = slowest(key)
         rows.append([label, medians[key] * 1e3, f"{min(ts) * 1e3:.3g}-{max(ts) * 1e3:.3g}", cpu(key) * 1e3,
-                     nbytes / medians[key] / 1e9, medians["memcpy"] / medians[key], medians["gloo"] / medians[key]])
+                     waits(key), nbytes / medians[key] / 1e9, medians["memcpy"] / medians[key],
+                     medians["gloo"] / medians[key]])
     print(f"\ntegula.ep on this machine: {args.ranks} ranks x {args.tokens} tokens, hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, bf16; transports of rank 0: {ranks[0]['transports']}; "
           f"{nbytes / 1e6:.1f} MB received per rank; {args.reps} repeats; outputs: segment views (dispatch), "
           "reused mappings (combine), a warm buffer (memcpy)")
-    print_table("per rank (median; spread = min-max over repeats, slowest rank each; CPU = process CPU time)",
-                ["", "ms", "spread ms", "CPU ms", "GB/s", "x memcpy", "x gloo"], rows)
+    print_table("per rank (median; spread = min-max over repeats, slowest rank each; CPU = process CPU time; "
+                "wait = each rank's time waiting for its peers inside the call, rank 0/1/...)",
+                ["", "ms", "spread ms", "CPU ms", "wait ms", "GB/s", "x memcpy", "x gloo"], rows)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ class ShmGroup:
         self.segs: dict[int, Segment] = {}
         self.pids: dict[int, tuple[int | None, str | None]] = {}
         self.seq = 0
+        self.waited_s = 0.0  # time spent in waits for peers, in all (benchmarks read it)
 
     @staticmethod
     def path(prefix: str, rank: int) -> str:
@@ -231,7 +232,15 @@ class ShmGroup:
 
     def _wait(self, ranks, value, what: str, goal: str) -> None:
         pending = [r for r in ranks if value(r) < self.seq]
+        if not pending:
+            return
         start = time.monotonic()
+        try:
+            self._poll(pending, value, what, goal, start)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _poll(self, pending, value, what, goal, start) -> None:
         next_check, polls = start + 0.01, 0
         while pending:
             polls += 1
