@@ -18,7 +18,7 @@ def order_key(x, j, E):
     """A distinct int64 key for expert j of value x: x's bits made order-preserving (-0.0 as 0.0) above (E - 1 - j),
     so keys order as the values do, ties to the lower index."""
     bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
-    order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: the magnitude bits flipped
     return T.cast(order, "int64") * 4294967296 + (E - 1 - j)
 
 
@@ -165,7 +165,7 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                         if rank[i, g] < NTG:
                             slot[i, rank[i, g]] = g
                 for i, g, j in T.Parallel(BM, NTG, EPG):
-                    e = slot[i, g] * EPG + j
+                    e = T.clamp(slot[i, g], 0, NG - 1) * EPG + j  # (a known range: gcc then reads it as contiguous)
                     keyc[i, g, j] = order_key(b[i, e], e, E)
                 select_keys(T.reshape(keyc, (BM, NTG * EPG)), sel, kth, BM, NTG * EPG, E, K)
                 full = 0
