@@ -18,7 +18,7 @@ def order_key(x, j, E):
     """A distinct int64 key for expert j of value x: x's bits made order-preserving (-0.0 as 0.0) above (E - 1 - j),
     so keys order as the values do, ties to the lower index."""
     bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
-    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives: the magnitude bits flipped
+    order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return T.cast(order, "int64") * 4294967296 + (E - 1 - j)
 
 
