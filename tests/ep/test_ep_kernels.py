@@ -68,19 +68,20 @@ def test_gather_sum_without_rows_of_a():
 
 @needs_c
 @pytest.mark.parametrize("scales,k", [(None, 4), ((3, torch.float32), 8), (None, 0)])
-@pytest.mark.parametrize("rounds", [1, 3])
-def test_dispatch_scatter_writes_what_the_gathers_would(scales, k, rounds):
-    """Three receivers in one window (rank 1 is not written here), each from its own first row. With a cache, new
-    tensors of the same shapes and other first rows go through the launcher the first round bound."""
+@pytest.mark.parametrize("rounds,h", [(1, 96), (3, 96), (1, 300), (2, 1536)])
+def test_dispatch_scatter_writes_what_the_gathers_would(scales, k, rounds, h):
+    """Three receivers in one window (rank 1 is not written here), each from its own first row; rows of one piece,
+    of a piece and a tail (600 bytes), of several pieces (3072 bytes). With a cache, new tensors of the same
+    shapes and other first rows go through the launcher the first round bound."""
     cache = {} if rounds > 1 else None
     for i in range(rounds):
-        _scatter_round(scales, k, 5 + 2 * i, cache, seed=k + 10 * i)
+        _scatter_round(scales, k, h, 5 + 2 * i, cache, seed=k + 10 * i)
     assert cache is None or len(cache) == 1
 
 
-def _scatter_round(scales, k, first, cache, seed):
+def _scatter_round(scales, k, h, first, cache, seed):
     g = torch.Generator().manual_seed(seed)
-    t, h, n_exp, n_local, r_n = 23, 96, 16, 4, 4
+    t, n_exp, n_local, r_n = 23, 16, 4, 4
     x = torch.randn((t, h), generator=g).to(torch.bfloat16)
     xs = torch.randn((t, scales[0]), generator=g) if scales else None
     ti = torch.randint(-1, n_exp, (t, k), generator=g) if k else None
