@@ -40,6 +40,11 @@ def test_topk_gate(target, e, k):
 
 def test_normalize_weight(target):
     w = torch.rand(tokens(target), 6)
+    w[0] = 0.0  # denominator 1e-20
+    w[1, :2] = torch.tensor([1e-21, -1e-20])  # sums to exactly 0 and on: 0 / 0 and x / 0
+    w[2, 3] = float("inf")
+    w[3, 0] = float("nan")
+    w[4] = torch.tensor([1e-45, 3e-39, -2e-38, 1e-44, 5e-40, 1e-30])  # subnormal quotients
     den, out = moe.normalize_weight(w)
     ref = torch.full((w.shape[0],), 1e-20)
     for k in range(6):
