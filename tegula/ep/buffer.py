@@ -427,9 +427,9 @@ class Buffer:
         if k and num_worst_tokens:
             mine["topk_idx"][int(recv[me]):] = -1
             mine["topk_weights"][int(recv[me]):] = 0
-        per_expert = [] if num_worst_tokens else [
-            -(-int(c) // expert_alignment) * expert_alignment
-            for c in m[:, 9 + r_n:].sum(0)[me * n_local:(me + 1) * n_local]]
+        per_expert = [] if num_worst_tokens else (
+            -(-m[:, 9 + r_n + me * n_local:9 + r_n + (me + 1) * n_local].sum(0) // expert_alignment)
+            * expert_alignment).tolist()
         # one "channel": channel_prefix_matrix [R, 1] holds what this rank sends each rank, the recv one what each
         # rank sends it
         handle = (torch.from_numpy(prefix).to(torch.int32), torch.from_numpy(counts[me]).to(torch.int32).view(-1, 1),

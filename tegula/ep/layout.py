@@ -19,13 +19,12 @@ class Plan:
     """Named arrays packed one after another (each 64-byte aligned) from byte 0 of a region."""
 
     def __init__(self, fields):
-        import torch
         self.fields, off = {}, 0
         for name, shape, dtype in fields:
             n = 1
             for d in shape:
                 n *= d
-            nbytes = n * torch.empty((), dtype=dtype).element_size()
+            nbytes = n * dtype.itemsize
             self.fields[name] = (off, tuple(shape), dtype, nbytes)
             off += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = off
