@@ -91,9 +91,10 @@ def log1p_f32(u):
     return T.if_then_else(w == 1.0, u, T.log(w) * (u / (w - 1.0)))
 
 
-def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=1):
+def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on, phys_on, BM=4):
     """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate. RL maps
-    each global (physical) expert to its number on this rank, or -1 (tegula.ops.moe._rank_local)."""
+    each global (physical) expert to its number on this rank, or -1 (tegula.ops.moe._rank_local). BM = 4 rows a
+    block: the k masked maxima of a row are a chain each pass waits on, and a few rows side by side overlap them."""
     NT, NL, ND, UST = T.dynamic("num_tokens"), T.dynamic("num_logical"), T.dynamic("num_dup"), T.dynamic("u_stride")
     NM, NF, NR = T.dynamic("mask_len"), T.dynamic("fix_len"), T.dynamic("num_global_experts")
     KP = K + n_shared
