@@ -358,7 +358,8 @@ class Buffer:
             raise TypeError(f"tegula.ep: dispatch: topk_idx [{t}, K] int64 and topk_weights [{t}, K] float32")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"tegula.ep: dispatch: expert_alignment must be a positive int, got {expert_alignment!r}")
-        sent = is_token_in_rank.sum(0)
+        # where each token goes (the handle's, when repeating a layout), and how many go to each rank
+        send_head, sent = (handle[5], is_token_in_rank.sum(0)) if cached else send_head_of(is_token_in_rank)
         if num_tokens_per_rank is not None and not torch.equal(num_tokens_per_rank.to(sent), sent):
             raise ValueError("tegula.ep: dispatch: num_tokens_per_rank does not match is_token_in_rank")
         n_exp = 0 if cached else num_tokens_per_expert.numel()
@@ -382,10 +383,7 @@ class Buffer:
         slot = self._num_dispatches % 2
         self._num_dispatches += 1
 
-        # where each token goes (the handle's, when repeating a layout); the token lists only where rows are
-        # gathered (torch.distributed peers, or no fused kernel)
-        send_head = handle[5] if cached else send_head_of(is_token_in_rank)
-        tokens = []
+        tokens = []  # the tokens sent to each rank, only where rows are gathered (torch.distributed, no kernel)
         x_c = x.contiguous()
         s_c = x_scales.contiguous() if x_scales is not None else None
         ti_c, tw_c = (topk_idx.contiguous(), topk_weights.contiguous()) if k else (None, None)

@@ -102,16 +102,19 @@ def token_layout(topk_idx, num_experts: int, num_ranks: int, node_of=None):
 def send_lists(is_token_in_rank):
     """For each rank r: the tokens sent to r in token order (int32), and send_head [T, R] int32, the position of
     token t among them (-1 when not sent)."""
-    return send_tokens(is_token_in_rank), send_head_of(is_token_in_rank)
+    return send_tokens(is_token_in_rank), send_head_of(is_token_in_rank)[0]
 
 
 def send_head_of(is_token_in_rank):
-    """send_head [T, R] int32: token t's position among the tokens sent to rank r, in token order (-1: not sent)."""
+    """-> (send_head [T, R] int32: token t's position among the tokens sent to rank r, in token order, -1 when not
+    sent; the number of tokens sent to each rank [R] int32)."""
     import torch
-    if is_token_in_rank.shape[0] == 0:
-        return torch.zeros(tuple(is_token_in_rank.shape), dtype=torch.int32, device=is_token_in_rank.device)
+    t, r = is_token_in_rank.shape
+    if t == 0:
+        return (torch.zeros((0, r), dtype=torch.int32, device=is_token_in_rank.device),
+                torch.zeros(r, dtype=torch.int32, device=is_token_in_rank.device))
     pos = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32)  # pos[t, r] - 1: token t's place at r
-    return torch.where(is_token_in_rank, pos - 1, -1).to(torch.int32)
+    return torch.where(is_token_in_rank, pos - 1, -1).to(torch.int32), pos[-1]
 
 
 def send_tokens(is_token_in_rank):
