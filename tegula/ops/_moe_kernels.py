@@ -25,8 +25,8 @@ def order_key(x, j, E):
 @T.macro
 def select_keys(key, out_idx, best, BM, N, E, K):
     """out_idx[i, k] = the expert of the k-th largest of key[i, :N] (order_key's keys), for k < K; best[i] ends as
-    the K-th key. One masked max per k finds the next entry: the largest key below the previous one. (One row per
-    block vectorises best: the loops then run along the experts.)"""
+    the K-th key. One masked max per k finds the next entry: the largest key below the previous one. (The loops
+    run along the experts; each pass waits on the previous one, so a few rows a block overlap their chains.)"""
     masked = T.alloc_fragment((BM, N), "int64")
     T.reduce_max(key, best, dim=1)
     for k in T.serial(K):
@@ -48,9 +48,9 @@ def select_topk(v, out_idx, BM, E, K):
     select_keys(key, out_idx, best, BM, E, E, K)
 
 
-def topk_gate(E, K, BM=1):
+def topk_gate(E, K, BM=2):
     """S (num_tokens, E) float32 -> I (num_tokens, K) int64: the K largest per row, descending, ties to the lower
-    index."""
+    index. (Two rows a block overlap their selection chains.)"""
     NT = T.dynamic("num_tokens")
 
     @T.prim_func
