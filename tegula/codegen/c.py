@@ -3,7 +3,7 @@ per-thread aligned arrays, the innermost T.Parallel loop an ``omp simd`` loop, T
 from __future__ import annotations
 
 from tegula.codegen.c_fuse import fuse
-from tegula.codegen.cfamily import STORAGE, CFamilyEmitter
+from tegula.codegen.cfamily import STORAGE, CFamilyEmitter, reg_type
 from tegula.errors import CompileError
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
@@ -30,6 +30,8 @@ class CEmitter(CFamilyEmitter):
             ct = STORAGE[b.dtype.name]
             self.w(f"{ct} *{self.restrict} {self.nm(b)} = ({ct} *)tg_aligned_alloc({_nbytes(b)});")
             self.workspaces.append(b)
+            if self.outer is not None:
+                self.outer.append((f"{ct} *{self.restrict}", self.nm(b), b))
             return
         super().stmt_Alloc(s)
 
@@ -41,18 +43,49 @@ class CEmitter(CFamilyEmitter):
     def stmt_Prefetch(self, s):  # ir/cpu.py: a hint that the line is read soon (into L2; never faults)
         self.w(f"__builtin_prefetch(&{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}], 0, 2);")
 
+    # Each grid's blocks become a static function ``tg_<name>_grid<i>`` (its on-chip buffers, then a loop taking
+    # chunks of blocks from a shared counter), called directly when the grid gets one thread and from an OpenMP
+    # parallel region otherwise: a parallel region costs ~0.45 us even on one thread, a direct call nothing. It
+    # takes the function's parameters and every local in scope outside the kernel (self.outer) by value.
     def stmt_Kernel(self, k: S.Kernel):
-        allocs = [s.buffer for s in S.walk(k.body) if isinstance(s, S.Alloc) and s.buffer.alias is None]
-        total = sum(_nbytes(b) for b in allocs)
+        name = f"tg_{self.func.name}_grid{self.ngrids}"
+        self.ngrids += 1
         gx, gy, gz = (self.ex(E.as_expr(g)) for g in k.grid)
-        bx, by, bz = (self.nm(v) for v in k.block_vars)
+        args, ids = [n for _, n, _ in self.outer], {id(v) for _, _, v in self.outer}
+        for s in S.walk(k.body):
+            if isinstance(s, S.Assign) and not s.declare and id(s.var) in ids:
+                raise CompileError(f"a kernel cannot assign {s.var.name}, a variable of the code around it", s.loc)
+        outer, self.outer = self.outer, None   # None: inside a kernel
+        lines, ind = self.lines, self.ind
+        self.lines, self.ind = [], 1
+        self.grid_body(k)
+        params = self.params + [f"{t} {n}" for t, n, _ in outer] + [
+            "const int64_t tg_gx", "const int64_t tg_gy", "const int64_t tg_gz", "int64_t *tg_next",
+            "const int64_t tg_chunk"]
+        self.helpers += [f"static void {name}({', '.join(params)}) {{"] + self.lines + ["}", ""]
+        self.lines, self.ind, self.outer = lines, ind, outer
+        call = f"{name}({', '.join(self.args + args + ['tg_gx', 'tg_gy', 'tg_gz', '&tg_next', 'tg_chunk'])});"
         self.w("{")
         self.ind += 1
         self.w(f"const int64_t tg_gx = {gx}, tg_gy = {gy}, tg_gz = {gz};")
+        self.w("const int tg_nt = tg_threads_for(tg_gx * tg_gy * tg_gz);")
+        self.w("const int64_t tg_chunk = tg_chunk_for(tg_gx * tg_gy * tg_gz, tg_nt);")
+        self.w("int64_t tg_next = 0;   /* the first block not yet taken */")
+        self.w("if (tg_nt == 1) {")
+        self.w("  " + call)
+        self.w("} else {")
+        self.w("  #pragma omp parallel num_threads(tg_nt)")
+        self.w("  " + call)
+        self.w("}")
+        self.ind -= 1
+        self.w("}")
+
+    def grid_body(self, k: S.Kernel):
+        """The body of a grid's function: one thread's on-chip buffers and the blocks it takes."""
+        allocs = [s.buffer for s in S.walk(k.body) if isinstance(s, S.Alloc) and s.buffer.alias is None]
+        total = sum(_nbytes(b) for b in allocs)
+        bx, by, bz = (self.nm(v) for v in k.block_vars)
         self.w("const int64_t tg_nblocks = tg_gx * tg_gy * tg_gz;")
-        self.w("#pragma omp parallel num_threads(tg_threads_for(tg_nblocks))")
-        self.w("{")
-        self.ind += 1
         heap = total > HEAP_THRESHOLD
         if heap:
             self.w(f"char *tg_smem = (char *)tg_aligned_alloc({_round64(total)});")
@@ -64,36 +97,61 @@ class CEmitter(CFamilyEmitter):
                 offset += _round64(n * b.dtype.itemsize)
             else:
                 self.w(f"{ct} {self.nm(b)}[{n}] __attribute__((aligned(64)));")
-        self.w("#pragma omp for schedule(dynamic, tg_chunk_for(tg_nblocks, omp_get_num_threads()))")
-        self.w("for (int64_t tg_b = 0; tg_b < tg_nblocks; ++tg_b) {")
-        self.ind += 1
+        self.w("for (int64_t tg_lo, tg_hi; tg_grab(tg_next, tg_chunk, tg_nblocks, &tg_lo, &tg_hi);) {")
+        self.w("  for (int64_t tg_b = tg_lo; tg_b < tg_hi; ++tg_b) {")
+        self.ind += 2
         self.w(f"const int32_t {bx} = (int32_t)(tg_b % tg_gx);")
         self.w(f"const int32_t {by} = (int32_t)((tg_b / tg_gx) % tg_gy);")
         self.w(f"const int32_t {bz} = (int32_t)(tg_b / (tg_gx * tg_gy));")
         self.w(f"(void){bx}; (void){by}; (void){bz};")
         self.stmt(k.body)
-        self.ind -= 1
+        self.ind -= 2
+        self.w("  }")
         self.w("}")
         if any(isinstance(s, StreamCopy) for s in S.walk(k.body)):
             self.w("tg_store_fence();")  # this thread's streaming stores are visible once the kernel returns
         if heap:
             self.w("free(tg_smem);")
-        self.ind -= 1
-        self.w("}")
-        self.ind -= 1
-        self.w("}")
+
+    # locals declared outside kernels are passed to the grids' functions: self.outer lists those in scope
+    def stmt_Assign(self, s: S.Assign):
+        super().stmt_Assign(s)
+        if s.declare and self.outer is not None:
+            self.outer.append((reg_type(s.var.dtype), self.nm(s.var), s.var))
+
+    def stmt_For(self, s: S.For):
+        if self.outer is None:
+            return super().stmt_For(s)
+        mark = len(self.outer)
+        self.outer.append(("int32_t", self.nm(s.var), s.var))
+        super().stmt_For(s)
+        del self.outer[mark:]
+
+    def stmt_If(self, s: S.If):
+        mark = None if self.outer is None else len(self.outer)
+        super().stmt_If(s)
+        if mark is not None:
+            del self.outer[mark:]
+
+    def stmt_While(self, s: S.While):
+        mark = None if self.outer is None else len(self.outer)
+        super().stmt_While(s)
+        if mark is not None:
+            del self.outer[mark:]
 
     def emit(self, symbols: list) -> str:
-        """The translation unit: prelude includes and one exported function ``tg_<name>``."""
+        """The translation unit: prelude includes, a static function per grid and one exported function
+        ``tg_<name>``."""
         f = self.func
-        params = []
-        for p in f.params:
+        self.ngrids, self.helpers, self.outer = 0, [], []
+        self.nm.reserve(*(f"tg_{f.name}_grid{i}" for i in range(sum(isinstance(s, S.Kernel) for s in S.walk(f.body)))))
+        self.params, self.args = [], []
+        for p in list(f.params) + list(symbols):
             if isinstance(p, E.Var):
-                params.append(f"{STORAGE[p.dtype.name]} {self.nm(p)}")
+                self.params.append(f"{STORAGE[p.dtype.name]} {self.nm(p)}")
             else:
-                params.append(f"{STORAGE[p.dtype.name]} *{self.restrict} {self.nm(p)}")
-        for v in symbols:
-            params.append(f"{STORAGE[v.dtype.name]} {self.nm(v)}")
+                self.params.append(f"{STORAGE[p.dtype.name]} *{self.restrict} {self.nm(p)}")
+            self.args.append(self.nm(p))
         self.ind = 1
         self.workspaces = []
         self.stmt(f.body)
@@ -104,8 +162,8 @@ class CEmitter(CFamilyEmitter):
             head.append('#include "tegula_gemm.h"')
         if getattr(self, "uses_stream", False):
             head.append('#include "tegula_stream.h"')
-        body = [f"TG_EXPORT void tg_{f.name}({', '.join(params) or 'void'}) {{"] + self.lines + ["}"]
-        return "\n".join(head + [""] + body) + "\n"
+        body = [f"TG_EXPORT void tg_{f.name}({', '.join(self.params) or 'void'}) {{"] + self.lines + ["}"]
+        return "\n".join(head + [""] + self.helpers + body) + "\n"
 
 
 def _simd_safe(s) -> bool:

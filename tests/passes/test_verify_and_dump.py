@@ -59,5 +59,5 @@ def test_dump_writes_every_stage(tmp_path, monkeypatch, target, ext):
 
 def test_c_source_is_vectorisable_text():
     src = tegula.lower(add_kernel(32), target="c").kernel_source
-    assert "#pragma omp simd" in src and "#pragma omp for" in src
+    assert "#pragma omp simd" in src and "#pragma omp parallel" in src
     assert "void tg_add(" in src

@@ -169,6 +169,15 @@ static inline int64_t tg_chunk_for(int64_t nblocks, int threads) {
   return c < 1 ? 1 : c;
 }
 
+/* a grid's blocks are handed out from one counter shared by its threads: tg_grab takes the next chunk of them,
+ * [*lo, *hi), and is false once none is left */
+static inline bool tg_grab(int64_t *next, int64_t chunk, int64_t nblocks, int64_t *lo, int64_t *hi) {
+  int64_t l = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+  *lo = l;
+  *hi = l + chunk < nblocks ? l + chunk : nblocks;
+  return l < nblocks;
+}
+
 static inline void *tg_aligned_alloc(size_t bytes) {
   void *p = NULL;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) abort();
