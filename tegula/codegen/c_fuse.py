@@ -128,7 +128,10 @@ def _merge_ifs(items) -> list:
         if not _movable(between, {id(v) for v in rewrite.sub_exprs(s.cond) if isinstance(v, E.Var)}):
             continue
         then = _seq([first.then, *between, s.then], first.loc)
-        orelse = None if s.orelse is None else _seq([first.orelse, *between, s.orelse], first.loc)
+        if s.orelse is not None:
+            orelse = _seq([first.orelse, *between, s.orelse], first.loc)
+        else:  # the statements between run whether or not the condition holds
+            orelse = _seq(between, first.loc) if between else None
         out[k:] = [dataclasses.replace(first, then=then, orelse=orelse)]
     return out
 

@@ -183,3 +183,24 @@ def test_what_fuses_in_the_dependence_cases():
     assert _loops(shifted_rows(24)) == 4       # nothing fuses
     assert _loops(transposed(24)) == 4         # 1 | 2+3
     assert _loops(in_place_reuse(24)) == 3     # 1 | 2 | 3+4
+
+
+def guarded_twice():
+    @T.prim_func
+    def k(Y: T.Tensor((4,), "float32"), flag: T.int32):
+        with T.Kernel(1) as _b:
+            if flag > 0:
+                Y[0] = 1.0
+            Y[1] = 2.0  # runs whatever flag is, between two ifs of one condition
+            if flag > 0:
+                Y[2] = 3.0
+    return k
+
+
+@pytest.mark.parametrize("flag", [0, 1])
+def test_statements_between_merged_ifs_still_run_when_the_condition_fails(flag):
+    prim = guarded_twice()
+    for target in ("interp", "c"):
+        y = torch.zeros(4)
+        tegula.compile(prim, target=target)(y, flag)
+        assert y.tolist() == ([1.0, 2.0, 3.0, 0.0] if flag else [0.0, 2.0, 0.0, 0.0]), target
