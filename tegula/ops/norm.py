@@ -61,7 +61,7 @@ def _normalised(X, Wt, xf, wf, rstd, r0, c0, BM, W):
         xf[i, j] = xf[i, j] * wf[j] * rstd[i]
 
 
-def rmsnorm_kernel(in_dtype, w_dtype, W=1024, BM=1):
+def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
     NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
 
     @T.prim_func
@@ -80,7 +80,7 @@ def rmsnorm_kernel(in_dtype, w_dtype, W=1024, BM=1):
     return rmsnorm
 
 
-def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
+def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
     """G in (16, 32, 64, 128): scales per group, chunk by chunk; G == 0: one scale per row (a third pass)."""
     NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
     QC = T.dynamic("q_cols")
