@@ -32,7 +32,7 @@ def lane_sum(p, acc, BM, H):
                 acc[i, lane] = acc[i, lane] + acc[i, lane + half]
 
 
-def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1):
+def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1, RB=32):
     """X (num_tokens, 2H) -> Q e4m3 (num_tokens, H), S: silu(X[:, :H]) * X[:, H:] (* TW[P2T[row]]), one scale per G
     columns. Rows with P2E < 0 are not computed: zeros, and the smallest scale."""
     NT, XST = T.dynamic("num_tokens"), T.dynamic("x_stride")
@@ -45,63 +45,65 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                        S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), P2T: T.Tensor((NP,), "int32"),
                        TW: T.Tensor((NW,), "float32"), P2E: T.Tensor((NE,), "int32"), CNT: T.Tensor((3,), "int64"),
                        clamp: T.float32, sf_min: T.float32, flags: T.int32):
-        with T.Kernel(T.ceildiv(NT, BM)) as by:
-            r0 = by * BM
+        with T.Kernel(T.ceildiv(NT, BM * RB)) as by:
             rnd = (flags & ROUND_SF) != 0
             packed = (flags & PACKED_SF) != 0
-            ok = T.alloc_fragment((BM,), "int32")
-            wr = T.alloc_fragment((BM,), "float32")
-            for i in T.Parallel(BM):
-                r = T.min(r0 + i, NT - 1)
-                ok[i] = T.cast(r0 + i < NT, "int32")
-                if with_p2e:
-                    ok[i] = ok[i] * T.cast(P2E[r] >= 0, "int32")
-                if with_weight:
-                    p = P2T[r]
-                    wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
-            xl = T.alloc_fragment((BM, H), "float32")
-            xr = T.alloc_fragment((BM, H), "float32")
-            T.copy(X[r0, 0], xl)
-            T.copy(X[r0, H], xr)
-            if use_clamp and count_clamp:
-                flg = T.alloc_fragment((BM, 3, H), "int32")
+            # RB row groups a block, pipelined: the next group's rows are prefetched while this one is computed
+            for it in T.Pipelined(RB, num_stages=2):
+                r0 = (by * RB + it) * BM
+                ok = T.alloc_fragment((BM,), "int32")
+                wr = T.alloc_fragment((BM,), "float32")
+                for i in T.Parallel(BM):
+                    r = T.min(r0 + i, NT - 1)
+                    ok[i] = T.cast(r0 + i < NT, "int32")
+                    if with_p2e:
+                        ok[i] = ok[i] * T.cast(P2E[r] >= 0, "int32")
+                    if with_weight:
+                        p = P2T[r]
+                        wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
+                xl = T.alloc_fragment((BM, H), "float32")
+                xr = T.alloc_fragment((BM, H), "float32")
+                T.copy(X[r0, 0], xl)
+                T.copy(X[r0, H], xr)
+                if use_clamp and count_clamp:
+                    flg = T.alloc_fragment((BM, 3, H), "int32")
+                    for i, j in T.Parallel(BM, H):
+                        flg[i, 0, j] = T.cast(xl[i, j] > clamp, "int32") * ok[i]
+                        flg[i, 1, j] = T.cast(xr[i, j] > clamp, "int32") * ok[i]
+                        flg[i, 2, j] = T.cast(xr[i, j] < -clamp, "int32") * ok[i]
+                    per_row = T.alloc_fragment((BM, 3), "int32")
+                    total = T.alloc_fragment((3,), "int32")
+                    T.reduce_sum(flg, per_row, dim=2)
+                    T.reduce_sum(per_row, total, dim=0)
+                    for k in T.serial(3):
+                        T.atomic_add(CNT[k], T.cast(total[k], "int64"))
+                y = T.alloc_fragment((BM, GB, G), "float32")
+                yv = T.reshape(y, (BM, H))
                 for i, j in T.Parallel(BM, H):
-                    flg[i, 0, j] = T.cast(xl[i, j] > clamp, "int32") * ok[i]
-                    flg[i, 1, j] = T.cast(xr[i, j] > clamp, "int32") * ok[i]
-                    flg[i, 2, j] = T.cast(xr[i, j] < -clamp, "int32") * ok[i]
-                per_row = T.alloc_fragment((BM, 3), "int32")
-                total = T.alloc_fragment((3,), "int32")
-                T.reduce_sum(flg, per_row, dim=2)
-                T.reduce_sum(per_row, total, dim=0)
-                for k in T.serial(3):
-                    T.atomic_add(CNT[k], T.cast(total[k], "int64"))
-            y = T.alloc_fragment((BM, GB, G), "float32")
-            yv = T.reshape(y, (BM, H))
-            for i, j in T.Parallel(BM, H):
-                lv = xl[i, j]
-                rv = xr[i, j]
-                if use_clamp:
-                    lv = T.if_then_else(lv > clamp, clamp, lv)
-                    rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
-                v = lv / (1.0 + exp_f32(-lv)) * rv
-                if with_weight:
-                    v = v * wr[i]
-                yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
-            amax = T.alloc_fragment((BM, GB), "float32")
-            inv = T.alloc_fragment((BM, GB), "float32")
-            word = T.alloc_fragment((BM, GB), "int32")
-            eb = T.alloc_fragment((BM, GB), "int32")
-            T.reduce_absmax(y, amax, dim=2)
-            for i, g in T.Parallel(BM, GB):
-                w_, v_, e_ = scale_of(amax[i, g], 448.0, sf_min, rnd)
-                word[i, g] = w_
-                inv[i, g] = v_
-                eb[i, g] = e_
-            store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
-            q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
-            for i, g, k in T.Parallel(BM, GB, G):
-                q[i, g, k] = y[i, g, k] * inv[i, g]
-            T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
+                    lv = xl[i, j]
+                    rv = xr[i, j]
+                    if use_clamp:
+                        lv = T.if_then_else(lv > clamp, clamp, lv)
+                        rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
+                    v = lv / (1.0 + exp_f32(-lv)) * rv
+                    if with_weight:
+                        v = v * wr[i]
+                    yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
+                amax = T.alloc_fragment((BM, GB), "float32")
+                inv = T.alloc_fragment((BM, GB), "float32")
+                word = T.alloc_fragment((BM, GB), "int32")
+                eb = T.alloc_fragment((BM, GB), "int32")
+                T.reduce_absmax(y, amax, dim=2)
+                for i, g in T.Parallel(BM, GB):
+                    w_, v_, e_ = scale_of(amax[i, g], 448.0, sf_min, rnd)
+                    word[i, g] = w_
+                    inv[i, g] = v_
+                    eb[i, g] = e_
+                store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
+                q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
+                for i, g, k in T.Parallel(BM, GB, G):
+                    q[i, g, k] = y[i, g, k] * inv[i, g]
+                T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
     return swiglu_forward
 
 
