@@ -74,6 +74,19 @@ def test_random_rows(dtype, b, n, k):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
+def test_keys_over_the_whole_bit_range(dtype):
+    """Random bit patterns (every exponent, both signs, +-inf, denormals; NaN replaced): the select's search
+    spans the whole key range, 2^32 wide for float32."""
+    raw = RAW[dtype]
+    info = torch.iinfo(raw)
+    x = torch.randint(info.min, info.max + 1, (3, 30000), dtype=torch.int64).to(raw).view(dtype)
+    x = torch.where(x.isnan(), torch.zeros((), dtype=dtype), x)
+    for k in (1, 100, 3000):
+        v, i = topk(x, k)
+        check(x, k, v, i)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
 def test_one_million_long_rows(dtype):
     x = (torch.randn(2, 1 << 20) * 100).to(dtype)
     v, i = topk(x, 2048, sorted=True)
@@ -325,6 +338,7 @@ def test_plans_are_per_thread():
 
 
 def test_calls_alternating_flags_keep_their_plans(monkeypatch):
+    monkeypatch.setattr(topk_mod._LOCAL, "plans", {})   # far from the cap (64 plans, then a fresh dict)
     x = torch.randn(2, 3000).to(BF16)
     topk(x, 40)
     topk(x, 40, sorted=True)
