@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tegula.errors import CompileError
+from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.tileops import lowers
 
@@ -23,6 +24,20 @@ def check_gemm_dtypes(s: S.Gemm) -> None:
                            s.loc)
 
 
+def reads_b_in_place(s: S.Gemm) -> bool:
+    """Whether the c target's prelude GEMM computes ``s`` as dot products read straight from B's rows (its
+    small-M path, tg__use_dot in tegula_gemm.h: B transposed, A not, M <= 8, or bf16 with M <= 16 and K >= 512)
+    rather than packing B into panels first. Then staging B (or A) in an on-chip tile first is a pass over the
+    data that buys nothing (elide_staging)."""
+    if not s.trans_b or s.trans_a or s.a.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return False
+    m = [int(E.const_value(e)) for e in s.c.extents if E.const_value(e) != 1]
+    k = [int(E.const_value(e)) for e in s.a.extents if E.const_value(e) != 1]
+    m = m[0] if len(m) == 2 else 1
+    k = k[-1] if k else 1
+    return m <= 8 or (s.a.dtype.name == "bfloat16" and m <= 16 and k >= 512)
+
+
 @lowers(S.Gemm, "cpu")
 def lower_gemm(s: S.Gemm) -> S.Stmt:
-    return S.ExternGemm(s.a, s.b, s.c, s.trans_a, s.trans_b, s.clear, loc=s.loc)
+    return S.ExternGemm(s.a, s.b, s.c, s.trans_a, s.trans_b, s.clear, loc=s.loc, next=s.hints.get("next", ()))
