@@ -1,6 +1,6 @@
 """tegula.ops.topk against torch.topk on the sparse-attention indexer's and the sampler's shapes.
 
-    python -m bench.topk [--reps 7] [--quick] [--threads 2] [--cpu-time]
+    python -m bench.topk [--reps 7] [--quick] [--threads 2] [--cpu-time] [--only "b=1 n=8192,sorted"]
 
 Indexer rows: bf16 scores, k in {512, 2048}, batch in {1, 8, 64}, n in {8K, 32K, 128K, 1M}, unsorted. Sampler
 rows: fp32 logits over a 129280-token vocabulary, k = 512, sorted by value. Both sides write into preallocated
@@ -109,6 +109,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="batch 1 and 64 only, n in {8K, 1M}")
     p.add_argument("--threads", type=int, default=None, help="threads of tegula and torch (default: all cores)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated substrings: only the rows whose label holds one (e.g. 'b=1 n=8192,sorted')")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --threads 1: time in the calling thread's CPU time, for a machine shared with other work")
     args = p.parse_args(argv)
@@ -132,6 +134,9 @@ def main(argv=None):
     lengths = (8192, 1 << 20) if args.quick else (8192, 32768, 131072, 1 << 20)
     cases = [("bf16", torch.bfloat16, k, b, n, False) for k in (512, 2048) for b in batches for n in lengths]
     cases += [("fp32", torch.float32, 512, b, 129280, True) for b in batches]
+    label = {c: f"{c[0]} b={c[3]} n={c[4]} k={c[2]}{' sorted' if c[5] else ''}" for c in cases}
+    if args.only:
+        cases = [c for c in cases if any(w.strip() in label[c] for w in args.only.split(","))]
     rows = []
     for name, dtype, k, b, n, by_value in cases:
         x = torch.randn(b, n).to(dtype)
@@ -147,7 +152,7 @@ def main(argv=None):
                          reps)
         (tm, tlo, thi), (pm, plo, phi) = t["tegula"], t["torch"]
         gbs = x.numel() * x.element_size() / tm / 1e9
-        rows.append([f"{name} b={b} n={n} k={k}{' sorted' if by_value else ''}", tm * 1e3, f"{(thi - tlo) / tm:.0%}",
+        rows.append([label[(name, dtype, k, b, n, by_value)], tm * 1e3, f"{(thi - tlo) / tm:.0%}",
                      pm * 1e3, f"{(phi - plo) / pm:.0%}", pm / tm, gbs, gbs / read_bw,
                      "DRAM" if x.numel() * x.element_size() >= POOL_MIN_BYTES else "cache"])
         print(f"  {rows[-1][0]}: {tm * 1e3:.4g} ms vs torch {pm * 1e3:.4g} ms", flush=True)
