@@ -30,10 +30,10 @@ import dataclasses
 from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
-from tegula.ir.buffer import Region
 from tegula.passes import rewrite
 from tegula.tileops.common import tile_in_bounds
 from tegula.tileops.gemm import reads_b_in_place
+
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
     stmts = list(S.walk(func.body))
@@ -70,11 +70,11 @@ class _Facts:
             return False
         if g.strides is not None and E.const_value(E.as_expr(g.strides[-1])) != 1:
             return False
-        if not _whole(dst) or self.writes.get(id(sb)) != [c] or _mapping(c) is None:
+        dims = rewrite.copy_dims(c)
+        if not rewrite.covers(dst) or self.writes.get(id(sb)) != [c] or dims is None or dims[-1][1] != g.ndim - 1:
             return False
-        if not _gemm_reads_only(self.stmts, sb):
-            return False
-        if not all(reads_b_in_place(g) for g in self.stmts if isinstance(g, S.Gemm) and sb in (g.a.buffer, g.b.buffer)):
+        readers = rewrite.gemm_readers(self.stmts, sb)
+        if readers is None or not all(reads_b_in_place(r) for r in readers):
             return False
         for x in src.starts:
             for e in rewrite.sub_exprs(E.as_expr(x)):
@@ -93,55 +93,6 @@ def _written(s) -> list:
     if isinstance(s, (S.Gemm, S.ExternGemm)):
         return [s.c.buffer]
     return []
-
-
-def _whole(rg) -> bool:
-    return all(E.const_value(E.as_expr(x)) == 0 for x in rg.starts) and \
-        all(E.const_value(E.as_expr(e)) == E.const_value(E.as_expr(n)) for e, n in zip(rg.extents, rg.buffer.shape))
-
-
-def _mapping(c: S.Copy):
-    """Pairs (dim of the staging buffer, dim of the tensor) along which the copy's tile extends, or None."""
-    src_kept = [d for d, e in enumerate(c.src.extents) if E.const_value(e) != 1]
-    dst_kept = [d for d, e in enumerate(c.dst.extents) if E.const_value(e) != 1]
-    if len(src_kept) != len(dst_kept) or not src_kept or src_kept[-1] != c.src.buffer.ndim - 1 or \
-            any(E.const_value(c.src.extents[i]) != E.const_value(c.dst.extents[j]) for i, j in zip(src_kept, dst_kept)):
-        return None
-    return list(zip(dst_kept, src_kept))
-
-
-def _gemm_reads_only(stmts, buf) -> bool:
-    """Every read of ``buf`` is an A or B operand of a T.gemm."""
-    for s in stmts:
-        if isinstance(s, S.Gemm):
-            if s.c.buffer is buf:
-                return False
-            continue
-        regions = [getattr(s, f) for f in ("src", "dst", "value") if isinstance(getattr(s, f, None), Region)]
-        if any(rg.buffer is buf for rg in regions if rg is not getattr(s, "dst", None)):
-            return False
-        exprs = rewrite.exprs_of(s) + [x for rg in regions for x in rg.starts if isinstance(x, E.Expr)]
-        if any(isinstance(x, E.Load) and x.buffer is buf for e in exprs for x in rewrite.sub_exprs(e)):
-            return False
-    return True
-
-
-def global_operand(rg: Region, c: S.Copy) -> Region:
-    """The region of ``c``'s source tensor that holds what the staging region ``rg`` holds after ``c``."""
-    src = c.src
-    starts = [E.as_expr(x) for x in src.starts]
-    exts = [E.as_expr(e) for e in src.extents]
-    keep = [False] * len(starts)
-    for j, i in _mapping(c):
-        starts[i] = E.binop("+", starts[i], E.as_expr(rg.starts[j]))
-        exts[i] = E.as_expr(rg.extents[j])
-        keep[i] = rg.keep[j]
-    mapped = [i for _, i in _mapping(c)]
-    for d in range(mapped[0] - 1, -1, -1):  # a one-row tile: the row is the source dim just before the columns
-        if sum(keep) >= 2:
-            break
-        keep[d] = True
-    return Region(src.buffer, tuple(starts), tuple(exts), tuple(keep))
 
 
 def _rewrite_list(s, chosen: set, gemms: dict, names):
@@ -171,7 +122,8 @@ def _rewrite_list(s, chosen: set, gemms: dict, names):
     def gemm(g):
         if not isinstance(g, S.Gemm) or not {id(g.a.buffer), id(g.b.buffer)} & copies.keys():
             return None
-        a, b = (global_operand(rg, copies[id(rg.buffer)]) if id(rg.buffer) in copies else rg for rg in (g.a, g.b))
+        a, b = (rewrite.staged_source(rg, copies[id(rg.buffer)]) if id(rg.buffer) in copies else rg
+                for rg in (g.a, g.b))
         direct = dataclasses.replace(g, a=a, b=b)
         return direct if flag is None else S.If(flag, direct, g, loc=g.loc)
 

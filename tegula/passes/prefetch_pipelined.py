@@ -58,32 +58,8 @@ class _Staging:
         stmts = list(S.walk(body))
         self.copies = {
             id(c) for c in stmts if isinstance(c, S.Copy) and c.src.buffer.is_global and c.src.dtype.bits in (8, 16)
-            and _whole(c.dst) and _gemm_only(stmts, c.dst.buffer)}
+            and rewrite.covers(c.dst) and rewrite.gemm_readers(stmts, c.dst.buffer)}
         self.next = {}
-
-
-def _whole(rg) -> bool:
-    """``rg`` covers its on-chip buffer from the origin (the dst of a staging copy)."""
-    return not rg.buffer.is_global and all(E.const_value(E.as_expr(x)) == 0 for x in rg.starts) and \
-        all(E.const_value(E.as_expr(e)) == E.const_value(E.as_expr(n)) for e, n in zip(rg.extents, rg.buffer.shape))
-
-
-def _gemm_only(stmts, buf) -> bool:
-    """Every read of ``buf`` among ``stmts`` is an A or B operand of a T.gemm, and there is one."""
-    used = False
-    for s in stmts:
-        if isinstance(s, S.Gemm):
-            if s.c.buffer is buf:
-                return False
-            used = used or buf in (s.a.buffer, s.b.buffer)
-            continue
-        regions = [getattr(s, f) for f in ("src", "dst", "value") if isinstance(getattr(s, f, None), Region)]
-        reads = [rg for rg in regions if rg is not getattr(s, "dst", None)]
-        exprs = rewrite.exprs_of(s) + [x for rg in regions for x in rg.starts if isinstance(x, E.Expr)]
-        if any(rg.buffer is buf for rg in reads) or any(isinstance(x, E.Load) and x.buffer is buf
-                                                        for e in exprs for x in rewrite.sub_exprs(e)):
-            return False
-    return used
 
 
 def _insert(s, loop: S.For, env: dict, staging: _Staging):
@@ -125,31 +101,20 @@ def _slice_next(which: str, rg: Region, staging: _Staging, loop: S.For):
     if id(rg.buffer) not in staging.next:
         return None
     copy, starts, guard = staging.next[id(rg.buffer)]
-    src, dst = copy.src, copy.dst
-    src_kept = [d for d, e in enumerate(src.extents) if E.const_value(e) != 1]
-    dst_kept = [d for d, e in enumerate(dst.extents) if E.const_value(e) != 1]
-    if len(src_kept) != len(dst_kept) or any(E.const_value(src.extents[i]) != E.const_value(dst.extents[j])
-                                             for i, j in zip(src_kept, dst_kept)):
-        return None
     loop_vars = {id(v) for v in _vars_bound_inside(loop)}
     for x in rg.starts:  # the slice's place in the buffer must be the same next iteration
         if any(isinstance(v, E.Var) and id(v) not in loop_vars for v in rewrite.sub_exprs(E.as_expr(x))):
             return None
-    nstarts, nexts = list(starts), [1] * len(starts)
-    for j in range(len(rg.starts)):
-        if j in dst_kept:
-            i = src_kept[dst_kept.index(j)]
-            nstarts[i] = E.binop("+", starts[i], E.as_expr(rg.starts[j]))
-            nexts[i] = int(E.const_value(rg.extents[j]))
-        elif E.const_value(E.as_expr(rg.starts[j])) != 0:
-            return None
-    buf = src.buffer
-    kept = [d for d, e in enumerate(nexts) if e != 1]
+    nxt = rewrite.staged_source(rg, copy, starts)
+    if nxt is None:
+        return None
+    buf = nxt.buffer
+    kept = [d for d, e in enumerate(nxt.extents) if E.const_value(e) != 1]
     strides = buf.strides
     if len(kept) > 2 or kept and kept[-1] != buf.ndim - 1 or \
             strides is not None and E.const_value(E.as_expr(strides[-1])) != 1:
         return None
-    return which, Region(buf, tuple(nstarts), tuple(nexts), (True,) * buf.ndim), guard
+    return which, nxt, guard
 
 
 def _vars_bound_inside(loop: S.For):

@@ -125,3 +125,68 @@ def sub_exprs(e):
     elif isinstance(e, E.Load):
         for i in e.indices:
             yield from sub_exprs(i)
+
+
+# staging copies (a T.copy of a global tile into an on-chip buffer that T.gemm reads) --------------------------
+
+def covers(rg: Region) -> bool:
+    """``rg`` is its whole buffer, from the origin."""
+    return all(E.const_value(E.as_expr(x)) == 0 for x in rg.starts) and \
+        all(E.const_value(E.as_expr(e)) == E.const_value(E.as_expr(n)) for e, n in zip(rg.extents, rg.buffer.shape))
+
+
+def gemm_readers(stmts, buf):
+    """The T.gemm statements among ``stmts`` that read ``buf`` as their A or B operand, or None when anything else
+    reads it (an element load, a copy or reduction from it, a gemm accumulating into it)."""
+    readers = []
+    for s in stmts:
+        if isinstance(s, S.Gemm):
+            if s.c.buffer is buf:
+                return None
+            if buf in (s.a.buffer, s.b.buffer):
+                readers.append(s)
+            continue
+        regions = [getattr(s, f) for f in ("src", "dst", "value") if isinstance(getattr(s, f, None), Region)]
+        if any(rg.buffer is buf for rg in regions if rg is not getattr(s, "dst", None)):
+            return None
+        exprs = exprs_of(s) + [x for rg in regions for x in rg.starts if isinstance(x, E.Expr)]
+        if any(isinstance(x, E.Load) and x.buffer is buf for e in exprs for x in sub_exprs(e)):
+            return None
+    return readers
+
+
+def copy_dims(c: S.Copy):
+    """Pairs (dim of the destination buffer, dim of the source) along which the copy's tile extends (extents > 1,
+    in order), or None when the two sides' tiles differ."""
+    src = [d for d, e in enumerate(c.src.extents) if E.const_value(e) != 1]
+    dst = [d for d, e in enumerate(c.dst.extents) if E.const_value(e) != 1]
+    if len(src) != len(dst) or not src or \
+            any(E.const_value(c.src.extents[i]) != E.const_value(c.dst.extents[j]) for i, j in zip(src, dst)):
+        return None
+    return list(zip(dst, src))
+
+
+def staged_source(rg: Region, c: S.Copy, starts=None):
+    """The region of ``c``'s source that holds what ``rg`` (a region of the buffer ``c`` fills whole) holds after
+    ``c``, with the source starting at ``starts`` (default: ``c``'s own); None if ``rg`` is not inside what ``c``
+    maps. A tile of one row keeps the source dim just before its columns as its row dim."""
+    dims = copy_dims(c)
+    starts = [E.as_expr(x) for x in (c.src.starts if starts is None else starts)]
+    exts = [E.as_expr(e) for e in c.src.extents]
+    keep = [False] * len(starts)
+    mapped = dict(dims or ())
+    for j, x in enumerate(rg.starts):
+        if j in mapped:
+            i = mapped[j]
+            starts[i] = E.binop("+", starts[i], E.as_expr(x))
+            exts[i] = E.as_expr(rg.extents[j])
+            keep[i] = rg.keep[j]
+        elif E.const_value(E.as_expr(x)) != 0:
+            return None
+    if not dims:
+        return None
+    for d in range(dims[0][1] - 1, -1, -1):
+        if sum(keep) >= 2:
+            break
+        keep[d] = True
+    return Region(c.src.buffer, tuple(starts), tuple(exts), tuple(keep))
