@@ -254,7 +254,7 @@ def main(argv=None):
     kb = lazy(QK.per_block_cast, "bfloat16", "e4m3", 128, 128, "cast")
     bench("per_block_cast 128x128", lambda: kb(x, q8, sfb.view(torch.int32), H, 0),
           lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
-    kc = lazy(QK.per_channel_cast, "bfloat16")
+    kc = lazy(QK.per_channel_cast, "bfloat16", H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
     bench("per_channel_cast 128x1", lambda: kc(x, q8, sfc.view(torch.int32), 0),
           lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)

@@ -337,29 +337,39 @@ def per_block_cast(in_kind, fmt, bt, bc, mode="cast", W=None):
     return per_block_cast
 
 
-def per_channel_cast(in_kind, bt=128, W=512):
-    """One scale per column per bt rows (TileKernels' per_channel_cast, e4m3): S (num_tokens / bt, hidden) float32."""
+def per_channel_cast(in_kind, HP, bt=128):
+    """One scale per column per bt rows (TileKernels' per_channel_cast, e4m3): S (num_tokens / bt, hidden) float32.
+    A block is a band of bt whole rows (HP >= hidden columns, compiled in): the column absmax streams the band row by
+    row from memory, then the cast reads it again row by row (from the last-level cache by then). Tiles of bt rows x
+    512 columns read 128 short runs at a time instead: 62-65 -> 55 ms at 18688 x 7168 bf16, 1 thread CPU time."""
     NT, H, SR = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("sf_rows")
     xdt = IN_DTYPE[in_kind]
 
     @T.prim_func
     def per_channel_cast(X: T.Tensor((NT, H), xdt), Q: T.Tensor((NT, H), "float8_e4m3fn"),
                          S: T.Tensor((SR, H), "int32"), flags: T.int32):
-        with T.Kernel(T.ceildiv(H, W), T.ceildiv(NT, bt)) as (bx, by):
+        with T.Kernel(T.ceildiv(NT, bt)) as by:
             rnd = (flags & ROUND_SF) != 0
-            xf = T.alloc_fragment((bt, W), "float32")
-            amax = T.alloc_fragment((W,), "float32")
-            inv = T.alloc_fragment((W,), "float32")
-            T.copy(X[by * bt, bx * W], xf)
-            column_absmax(xf, amax, bt, W)
-            for j in T.Parallel(W):
+            xr = T.alloc_fragment((1, HP), xdt)  # one row in the input's dtype, widened where read
+            amax = T.alloc_fragment((HP,), "float32")
+            inv = T.alloc_fragment((HP,), "float32")
+            q = T.alloc_fragment((1, HP), "float8_e4m3fn")
+            T.fill(amax, 0.0)
+            for r in T.serial(bt):
+                T.copy(X[by * bt + r, 0], xr)
+                for j in T.Parallel(HP):
+                    a = T.abs(T.cast(xr[0, j], "float32"))  # a > out ? a : out: max ignoring NaN, one maxps
+                    amax[j] = T.if_then_else(a > amax[j], a, amax[j])
+            for j in T.Parallel(HP):
                 w_, v_, e_ = scale_of(amax[j], 448.0, 1e-4, rnd)
                 inv[j] = v_
-                if bx * W + j < H:
-                    S[by, bx * W + j] = w_
-            for i, j in T.Parallel(bt, W):
-                xf[i, j] = xf[i, j] * inv[j]
-            T.copy(xf, Q[by * bt, bx * W])
+                if j < H:
+                    S[by, j] = w_
+            for r in T.serial(bt):
+                T.copy(X[by * bt + r, 0], xr)
+                for j in T.Parallel(HP):
+                    q[0, j] = T.cast(xr[0, j], "float32") * inv[j]
+                T.copy(q, Q[by * bt + r, 0])
     return per_channel_cast
 
 

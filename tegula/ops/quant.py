@@ -212,7 +212,7 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, round_sf: bool = False):
     sf = t.empty((num_tokens // 128, hidden), dtype=t.float32)
     if num_tokens > 0 and hidden > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(K.per_channel_cast, kind)(x, out, sf.view(t.int32), flags)
+        _tk.kernel(K.per_channel_cast, kind, _tk.align(hidden, 64))(x, out, sf.view(t.int32), flags)
     return out, sf
 
 
