@@ -191,11 +191,15 @@ def _compiled(tensor) -> bool:
         return False
     ok = _COMPILED.get("c")
     if ok is None:
+        from tegula.errors import CompileError
+        from tegula.runtime import cpu
         try:
-            copy_rows_kernel("uint8", 64)
+            cpu._compiler_info(cpu.compiler())
             ok = True
-        except Exception:  # no C compiler here: the torch versions serve
+        except CompileError:  # no working C compiler here: the torch versions serve
             ok = False
+        if ok:  # with a compiler, a kernel that fails to build is a bug to report, not a reason to run slowly
+            copy_rows_kernel("uint8", 64)
         _COMPILED["c"] = ok
     return ok
 
