@@ -291,35 +291,43 @@ def store_e5m6(Q, v, inv, r0, c0, BM, W):
     T.copy(T.reshape(words, (BM, W // 8 * 3)), Q[r0, c0 // 8 * 3])
 
 
-def per_block_cast(in_kind, fmt, bt, bc, mode="cast", W=None):
-    """One scale per bt x bc block (TileKernels' per_block_cast): a block of the grid is bt rows x W columns."""
-    W = W or max(4 * bc, 8192 // bt)
+def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
+    """One scale per bt x bc block (TileKernels' per_block_cast). A block of the grid is a band of bt whole rows (HP
+    columns compiled in, a multiple of bc and >= hidden): the column absmax streams the band row by row, the groups
+    of bc columns reduce it, then the cast reads the band again row by row (from the last-level cache by then), as
+    per_channel_cast does (128 x 128 blocks, 18688 x 7168 bf16, 1 thread CPU time: 65-68 -> 51-56 ms)."""
     NT, XC, QR, QC = T.dynamic("num_tokens"), T.dynamic("x_cols"), T.dynamic("q_rows"), T.dynamic("q_cols")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     xdt, qdt = IN_DTYPE[in_kind], OUT_DTYPE[fmt]
-    GB = W // bc
+    GB = HP // bc
     maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
 
+    # e4m3: Q's shape is X's (one bounds check), so a row's copy in, cast and copy out fuse into one loop
+    QS = (NT, XC) if fmt == "e4m3" and mode != "sf_only" else (QR, QC)
+
     @T.prim_func
-    def per_block_cast(X: T.Tensor((NT, XC), xdt), Q: T.Tensor((QR, QC), qdt),
+    def per_block_cast(X: T.Tensor((NT, XC), xdt), Q: T.Tensor(QS, qdt),
                        S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), hidden: T.int32, flags: T.int32):
-        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, bt)) as (bx, by):
-            r0, c0, g0 = by * bt, bx * W, bx * GB
+        with T.Kernel(T.ceildiv(NT, bt)) as by:
+            r0 = by * bt
             ngroups = T.ceildiv(hidden, bc)
             rnd = (flags & ROUND_SF) != 0
             packed = (flags & PACKED_SF) != 0
-            xf = T.alloc_fragment((bt, W), "float32")
+            xr = T.alloc_fragment((1, HP), xdt)  # one row in the input's dtype, widened where read
             inv = T.alloc_fragment((1, GB), "float32")
-            T.copy(X[r0, c0], xf)
             if mode == "with_sf":
                 for i, g in T.Parallel(1, GB):
-                    ok = g0 + g < ngroups
-                    inv[i, g] = 1.0 / T.if_then_else(ok, T.reinterpret(S[by, T.min(g0 + g, ngroups - 1)], "float32"),
-                                                     1.0)
+                    ok = g < ngroups
+                    inv[i, g] = 1.0 / T.if_then_else(ok, T.reinterpret(S[by, T.min(g, ngroups - 1)], "float32"), 1.0)
             else:
-                cols = T.alloc_fragment((W,), "float32")
+                cols = T.alloc_fragment((HP,), "float32")
                 amax = T.alloc_fragment((1, GB), "float32")
-                column_absmax(xf, cols, bt, W)
+                T.fill(cols, 0.0)
+                for r in T.serial(bt):
+                    T.copy(X[r0 + r, 0], xr)
+                    for j in T.Parallel(HP):
+                        a = T.abs(T.cast(xr[0, j], "float32"))  # a > out ? a : out: max ignoring NaN, one maxps
+                        cols[j] = T.if_then_else(a > cols[j], a, cols[j])
                 T.reduce_absmax(T.reshape(cols, (1, GB, bc)), amax, dim=2)
                 word = T.alloc_fragment((1, GB), "int32")
                 eb = T.alloc_fragment((1, GB), "int32")
@@ -328,12 +336,24 @@ def per_block_cast(in_kind, fmt, bt, bc, mode="cast", W=None):
                     word[i, g] = w_
                     inv[i, g] = v_
                     eb[i, g] = e_
-                store_scales(S, word, eb, by, g0, T.ceildiv(NT, bt), ngroups, packed, 1, GB)
+                store_scales(S, word, eb, by, 0, T.ceildiv(NT, bt), ngroups, packed, 1, GB)
             if mode != "sf_only":
-                xb = T.reshape(xf, (bt, GB, bc))
-                for i, g, k in T.Parallel(bt, GB, bc):
-                    xb[i, g, k] = xb[i, g, k] * inv[0, g]
-                store_quantized(Q, xf, r0, c0, fmt, bt, W)
+                invc = T.alloc_fragment((1, GB, bc), "float32")  # per column: the row loops below stay one loop each
+                for i, g, k in T.Parallel(1, GB, bc):
+                    invc[i, g, k] = inv[0, g]
+                ic = T.reshape(invc, (HP,))
+                for r in T.serial(bt):
+                    T.copy(X[r0 + r, 0], xr)
+                    if fmt == "e4m3":
+                        q = T.alloc_fragment((1, HP), "float8_e4m3fn")
+                        for j in T.Parallel(HP):
+                            q[0, j] = T.cast(xr[0, j], "float32") * ic[j]
+                        T.copy(q, Q[r0 + r, 0])
+                    else:
+                        v = T.alloc_fragment((1, HP), "float32")
+                        for j in T.Parallel(HP):
+                            v[0, j] = T.cast(xr[0, j], "float32") * ic[j]
+                        store_quantized(Q, v, r0 + r, 0, fmt, 1, HP)
     return per_block_cast
 
 

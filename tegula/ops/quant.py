@@ -170,7 +170,8 @@ def _per_block(x, fmt, block_size, col_major, round_sf, packed, mode, sf=None):
     out, out_k = _out(num_tokens, hidden, fmt) if mode != "sf_only" else (None, _out(1, 2, fmt)[1])
     if num_tokens > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(K.per_block_cast, kind, fmt, bt, bc, mode)(x, out_k, sf_k, hidden, flags)
+        _tk.kernel(K.per_block_cast, kind, fmt, bt, bc, _tk.align(hidden, max(bc, 64)), mode)(x, out_k, sf_k, hidden,
+                                                                                           flags)
     if mode == "sf_only":
         return sf_user
     if mode == "with_sf":
