@@ -322,32 +322,8 @@ class CFamilyEmitter:
         self.uses_gemm.add(name)
         m, n = (int(E.const_value(x)) for x in _tile2(c))
         k = int(E.const_value(_tile2(a)[0 if s.trans_a else 1]))
-        args = (f"{m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, {int(s.trans_b)}, "
-                f"{self.operand(c)}, {int(s.clear)}")
-        if not s.next:
-            self.w(f"tg_gemm_{name}({args});")
-            return
-        nxt = {w: self.next_tile(rg, guard) for w, rg, guard in s.next}
-        none = "(tg_gemm_next){0, 0, 0, 0}"
-        self.w(f"tg_gemm_{name}_next({args}, {nxt.get('a', none)}, {nxt.get('b', none)});")
-
-    def next_tile(self, rg, guard) -> str:
-        """A ``tg_gemm_next`` literal for the global region ``rg`` (rows of contiguous elements), NULL unless
-        ``guard`` holds."""
-        buf = rg.buffer
-        ext = [int(E.const_value(e)) for e in rg.extents]
-        kept = [d for d, e in enumerate(ext) if e != 1]
-        rows = ext[kept[0]] if len(kept) == 2 else 1
-        row_bytes = ext[-1] * buf.dtype.itemsize
-        starts = [E.as_expr(x) for x in rg.starts]
-        base = f"&{self.nm(buf)}[{self.flat(buf, starts)}]"
-        if len(kept) == 2:
-            nxt = list(starts)
-            nxt[kept[0]] = E.binop("+", nxt[kept[0]], 1)
-            ld = f"(long)((const char *)&{self.nm(buf)}[{self.flat(buf, nxt)}] - (const char *){base})"
-        else:
-            ld = "0"
-        return f"(tg_gemm_next){{({self.ex(guard)}) ? (const void *){base} : 0, {ld}, {rows}, {row_bytes}}}"
+        self.w(f"tg_gemm_{name}({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, "
+               f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
 
     def operand(self, rg) -> str:
         """``ptr, ld`` of a 2-D tile of a row-major buffer."""

@@ -279,7 +279,6 @@ def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, des
     ``cache``: a dict owned by the caller (who keeps ``window`` alive while it holds the dict) where the kernel,
     bound once per window and shapes, is kept: a later call of the same shapes launches it without checking or
     converting any argument again."""
-    import torch
     if not _compiled(x) or window is None:
         return False
     t, r_n = send_head.shape

@@ -121,10 +121,8 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
         return [f"{p}fill({rg(s.dst)}, {ex(s.value)})"]
     if isinstance(s, (S.Gemm, S.ExternGemm)):
         name = "gemm" if isinstance(s, S.Gemm) else "extern_gemm"
-        nxt = s.next if isinstance(s, S.ExternGemm) else s.hints.get("next", ())
-        nxt = "".join(f", {w}_next={rg(r)} if {ex(g)}" for w, r, g in nxt)
         return [f"{p}{name}({rg(s.a)}, {rg(s.b)}, {rg(s.c)}, trans_a={s.trans_a}, trans_b={s.trans_b}, "
-                f"clear={s.clear}{nxt})"]
+                f"clear={s.clear})"]
     if isinstance(s, S.Reduce):
         return [f"{p}reduce_{s.kind}({rg(s.src)}, {rg(s.dst)}, dim={s.dim}, clear={s.clear})"]
     if isinstance(s, S.Atomic):

@@ -150,9 +150,7 @@ class AtomicElem(Stmt):
 
 @dataclass(eq=False)
 class ExternGemm(Stmt):
-    """A tile GEMM lowered to a call of the target's prelude routine; operands are regions. ``next`` holds
-    ``(operand, region, guard)`` triples ("a" or "b", a global region, a condition): tiles the routine
-    prefetches while it runs, when the condition holds (what prefetch_pipelined attaches; a cache hint only)."""
+    """A tile GEMM lowered to a call of the target's prelude routine; operands are regions."""
     a: Region
     b: Region
     c: Region
@@ -160,7 +158,6 @@ class ExternGemm(Stmt):
     trans_b: bool
     clear: bool
     loc: tuple | None = None
-    next: tuple = ()
 
 
 TILE_OPS = (Copy, Fill, Gemm, Reduce, Atomic)

@@ -76,8 +76,7 @@ def stmt(s, fe=None, fs=None):
     elif isinstance(s, S.Assign):
         out = dataclasses.replace(s, value=ex(s.value))
     elif isinstance(s, S.ExternGemm):
-        out = dataclasses.replace(s, a=region(s.a, fe), b=region(s.b, fe), c=region(s.c, fe),
-                                  next=tuple((w, region(rg, fe), ex(g)) for w, rg, g in s.next))
+        out = dataclasses.replace(s, a=region(s.a, fe), b=region(s.b, fe), c=region(s.c, fe))
     else:
         out = s
     if fs is not None:
@@ -98,8 +97,7 @@ def exprs_of(s):
     if isinstance(s, S.Assign):
         return [s.value]
     if isinstance(s, S.ExternGemm):
-        return [x for rg in (s.a, s.b, s.c) + tuple(n[1] for n in s.next) for x in rg.starts
-                if isinstance(x, E.Expr)] + [n[2] for n in s.next]
+        return [x for rg in (s.a, s.b, s.c) for x in rg.starts if isinstance(x, E.Expr)]
     if hasattr(s, "exprs"):  # target-family nodes (ir/simt.py) list their own
         return s.exprs()
     return []

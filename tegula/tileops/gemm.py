@@ -40,4 +40,4 @@ def reads_b_in_place(s: S.Gemm) -> bool:
 
 @lowers(S.Gemm, "cpu")
 def lower_gemm(s: S.Gemm) -> S.Stmt:
-    return S.ExternGemm(s.a, s.b, s.c, s.trans_a, s.trans_b, s.clear, loc=s.loc, next=s.hints.get("next", ()))
+    return S.ExternGemm(s.a, s.b, s.c, s.trans_a, s.trans_b, s.clear, loc=s.loc)

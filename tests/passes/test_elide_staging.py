@@ -1,9 +1,7 @@
-"""elide_staging and the gemm-spread prefetches of prefetch_pipelined (c target).
-
-elide_staging lets a T.gemm on the prelude's dot-product path (B transposed, few rows of A) read its global tiles
-in place instead of a staged copy, versioned on one in-bounds flag where a tile may cross the tensor's edge;
-prefetch_pipelined hands the next tiles of 8/16-bit staging copies to the gemms reading them. Neither may change
-a result: every kernel runs on c and interp and must agree; the lowered IR shows which form was chosen."""
+"""elide_staging (c target): a T.gemm on the prelude's dot-product path (B transposed, few rows of A) reads its
+global tiles in place instead of a staged copy, versioned on one in-bounds flag where a tile may cross the
+tensor's edge. It may not change a result: every kernel runs on c and interp and must agree; the lowered IR shows
+which form was chosen."""
 import pytest
 import torch
 
@@ -85,12 +83,7 @@ def test_staging_is_kept(case):
     _agree(prim, *shape, **kw)
 
 
-def test_next_tiles_are_prefetched_by_the_gemm():
-    _, src = _forms(decode(32, 64, 256, 32, 16, 64))
-    assert "tg_gemm_bf16_next(" in src and "__builtin_prefetch" not in src.split("tg_gemm_bf16_next(")[0][-400:]
-    # fp32 staging keeps the burst of prefetches before the copy (spreading measured slower there)
-    _, src32 = _forms(decode(2, 32, 256, 2, 16, 64, dtype="float32"))
-    assert "_next(" not in src32 and "__builtin_prefetch" in src32
-    # no next iteration to prefetch without T.Pipelined stages
-    _, src1 = _forms(decode(32, 64, 256, 32, 16, 64, stages=1))
-    assert "_next(" not in src1
+def test_next_tiles_are_still_prefetched():
+    text, src = _forms(decode(4, 64, 256, 4, 16, 64))
+    assert "extern_gemm(A[" in text                       # elided ...
+    assert "prefetch(B[" in text and "__builtin_prefetch(&B[" in src   # ... and B's next tile prefetched
