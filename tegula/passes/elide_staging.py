@@ -9,10 +9,10 @@ tiles themselves (measured on one core at 1 x 2112 x 7168, weights from DRAM: fp
 is kept: packing 64 rows x 128 of K in place from a weight matrix was 24% slower at M = 16.
 
 The pass applies to a copy ``T.copy(G[...], S)`` when it can prove that this changes nothing:
-- S is an on-chip buffer written whole by this copy and by nothing else in the function, of G's dtype (the copy
-  converts nothing), and every read of S anywhere is an A or B operand of a T.gemm that follows the copy in the
-  same statement list (or nested in a later statement of it), each of them one the prelude computes by dot
-  products (tileops.gemm.reads_b_in_place);
+- S is an on-chip buffer (no T.reshape view of it) written whole by this copy and by nothing else, of G's dtype
+  (the copy converts nothing), and every read of S anywhere is an A or B operand of a T.gemm that follows the
+  copy in the same statement list (or nested in a later statement of it), each of them one the prelude computes
+  by dot products (tileops.gemm.reads_b_in_place);
 - the copy's source starts name only loop and block indices, scalar parameters and locals assigned once, and
   loads of global tensors the kernel never writes, so they mean the same at each gemm as at the copy;
 - G's elements are 2- or 1-byte and its last dimension is contiguous.
@@ -58,6 +58,9 @@ class _Facts:
         self.stmts = stmts
         self.writes: dict[int, list] = {}
         self.mutated = {id(s.var) for s in stmts if isinstance(s, S.Assign) and not s.declare}
+        # buffers that share storage with another (T.reshape views): their reads and writes are not all visible
+        self.aliased = {id(b) for s in stmts if isinstance(s, S.Alloc) and s.buffer.alias is not None
+                        for b in (s.buffer, s.buffer.alias)}
         for s in stmts:
             for buf in _written(s):
                 self.writes.setdefault(id(buf), []).append(s)
@@ -68,7 +71,7 @@ class _Facts:
         if not g.is_global or sb.is_global or g.dtype != sb.dtype or g.dtype.bits not in (8, 16) or \
                 g.dtype.kind not in ("float", "int", "uint") or c.eviction_policy is not None:
             return False
-        if g.strides is not None and E.const_value(E.as_expr(g.strides[-1])) != 1:
+        if g.strides is not None and E.const_value(E.as_expr(g.strides[-1])) != 1 or id(sb) in self.aliased:
             return False
         dims = rewrite.copy_dims(c)
         if not rewrite.covers(dst) or self.writes.get(id(sb)) != [c] or dims is None or dims[-1][1] != g.ndim - 1:

@@ -10,9 +10,10 @@ import tegula.language as T
 from tegula.passes.verify import verify
 
 
-def decode(M, N, K, block_m, block_n, block_k, dtype="bfloat16", stages=2, read_bs=False, convert=False):
-    """C = A @ B^T walked over K in T.Pipelined steps, A and B staged (optionally: B_s also read elementwise, or
-    B converted from float32 by the copy)."""
+def decode(M, N, K, block_m, block_n, block_k, dtype="bfloat16", stages=2, read_bs=False, convert=False,
+           view=False):
+    """C = A @ B^T walked over K in T.Pipelined steps, A and B staged (optionally: B_s also read elementwise, B
+    converted from float32 by the copy, or B_s's first row zeroed through a T.reshape view of it)."""
     src = "float32" if convert else dtype
 
     @T.prim_func
@@ -25,6 +26,10 @@ def decode(M, N, K, block_m, block_n, block_k, dtype="bfloat16", stages=2, read_
             for k in T.Pipelined(T.ceildiv(K, block_k), num_stages=stages):
                 T.copy(A[by * block_m, k * block_k], A_s)
                 T.copy(B[bx * block_n, k * block_k], B_s)
+                if view:
+                    flat = T.reshape(B_s, (block_n * block_k,))
+                    for j in T.Parallel(block_k):
+                        flat[j] = T.cast(0, dtype)
                 T.gemm(A_s, B_s, acc, transpose_B=True)
                 if read_bs:
                     for i, j in T.Parallel(block_m, block_n):
@@ -67,7 +72,7 @@ def test_copies_run_only_when_a_tile_crosses_the_edge():
     assert "if tg_inside1:\n        extern_gemm(A[" in text
 
 
-@pytest.mark.parametrize("case", ["packed", "read_elsewhere", "converting", "fp32"])
+@pytest.mark.parametrize("case", ["packed", "read_elsewhere", "converting", "fp32", "view"])
 def test_staging_is_kept(case):
     if case == "packed":  # 32 rows: the prelude packs B into panels, which is faster from a staged tile
         prim, shape, kw = decode(32, 64, 128, 32, 16, 64), (32, 64, 128), {}
@@ -75,8 +80,10 @@ def test_staging_is_kept(case):
         prim, shape, kw = decode(2, 32, 128, 2, 16, 64, read_bs=True), (2, 32, 128), {}
     elif case == "converting":
         prim, shape, kw = decode(2, 32, 128, 2, 16, 64, convert=True), (2, 32, 128), {"bdtype": torch.float32}
-    else:
+    elif case == "fp32":
         prim, shape, kw = decode(2, 32, 128, 2, 16, 64, dtype="float32"), (2, 32, 128), {"dtype": torch.float32}
+    else:  # written through a view after the copy: the gemm must see the zeroed row
+        prim, shape, kw = decode(2, 32, 128, 2, 16, 64, view=True), (2, 32, 128), {}
     text, _ = _forms(prim)
     gemms = [line for line in text.splitlines() if "extern_gemm(" in line]
     assert gemms and all("B_s" in line for line in gemms)     # B always from its staged tile
