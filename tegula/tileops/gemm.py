@@ -31,11 +31,18 @@ def reads_b_in_place(s: S.Gemm) -> bool:
     data that buys nothing (elide_staging)."""
     if not s.trans_b or s.trans_a or s.a.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         return False
-    m = [int(E.const_value(e)) for e in s.c.extents if E.const_value(e) != 1]
-    k = [int(E.const_value(e)) for e in s.a.extents if E.const_value(e) != 1]
-    m = m[0] if len(m) == 2 else 1
-    k = k[-1] if k else 1
+    m, k = _tile2(s.c)[0], _tile2(s.a)[1]
     return m <= 8 or (s.a.dtype.name == "bfloat16" and m <= 16 and k >= 512)
+
+
+def _tile2(rg) -> tuple:
+    """(rows, columns) of a gemm operand's 2-D tile: its two non-unit extents, else its last two kept dims."""
+    ext = [int(E.const_value(e)) for e in rg.extents]
+    big = [e for e in ext if e != 1]
+    if len(big) == 2:
+        return tuple(big)
+    kept = [e for e, k in zip(ext, rg.keep) if k]
+    return tuple(kept[-2:]) if len(kept) >= 2 else tuple([1] * (2 - len(big)) + big)
 
 
 @lowers(S.Gemm, "cpu")
