@@ -226,11 +226,10 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
         bm = min(bm, _grouped_block_m())
     kb = ceil_div(k, SF_K)
     if bm <= 16 and not grouped:
-        # decode: the weight rows of a block copied whole (one sequential stream the hardware prefetcher follows),
-        # 64 of them, up to 1 MiB (L2); fp8 needs whole 128-blocks of K per copy
-        # (the gemm reads them in place when the block lies inside B: elide_staging); one row of A takes 16
-        # weight rows a block, which the dot path streams side by side (16 streams the prefetchers follow; 64
-        # measured 40% slower, in place or staged)
+        # decode: a block's weight rows whole along K (up to 1 MiB: L2; fp8 needs whole 128-blocks of K; chunks
+        # of K measured slower), 64 of them, staged (one sequential stream) or, where the gemm reads them in
+        # place (elide_staging, M <= 8), side by side; one row of A takes 16 rows a block: 16 streams the
+        # prefetchers follow (64 in place were 40% slower)
         esize = 1 if fp8 else 2
         c = max(d for d in range(1, kb + 1) if kb % d == 0 and 64 * d * SF_K * esize <= 1 << 20)
         return bm, 16 if bm == 1 else 64, c * SF_K

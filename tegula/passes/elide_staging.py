@@ -30,6 +30,7 @@ import dataclasses
 from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
+from tegula.ir.buffer import Region
 from tegula.passes import rewrite
 from tegula.tileops.common import tile_in_bounds
 from tegula.tileops.gemm import reads_b_in_place
@@ -73,10 +74,10 @@ class _Facts:
             return False
         if g.strides is not None and E.const_value(E.as_expr(g.strides[-1])) != 1 or id(sb) in self.aliased:
             return False
-        dims = rewrite.copy_dims(c)
-        if not rewrite.covers(dst) or self.writes.get(id(sb)) != [c] or dims is None or dims[-1][1] != g.ndim - 1:
+        dims = _copy_dims(c)
+        if not _covers(dst) or self.writes.get(id(sb)) != [c] or dims is None or dims[-1][1] != g.ndim - 1:
             return False
-        readers = rewrite.gemm_readers(self.stmts, sb)
+        readers = _gemm_readers(self.stmts, sb)
         if readers is None or not all(reads_b_in_place(r) for r in readers):
             return False
         for x in src.starts:
@@ -96,6 +97,69 @@ def _written(s) -> list:
     if isinstance(s, (S.Gemm, S.ExternGemm)):
         return [s.c.buffer]
     return []
+
+
+def _covers(rg: Region) -> bool:
+    """``rg`` is its whole buffer, from the origin."""
+    return all(E.const_value(E.as_expr(x)) == 0 for x in rg.starts) and \
+        all(E.const_value(E.as_expr(e)) == E.const_value(E.as_expr(n)) for e, n in zip(rg.extents, rg.buffer.shape))
+
+
+def _gemm_readers(stmts, buf):
+    """The T.gemm statements among ``stmts`` that read ``buf`` as their A or B operand, or None when anything else
+    reads it (an element load, a copy or reduction from it, a gemm accumulating into it)."""
+    readers = []
+    for s in stmts:
+        if isinstance(s, S.Gemm):
+            if s.c.buffer is buf:
+                return None
+            if buf in (s.a.buffer, s.b.buffer):
+                readers.append(s)
+            continue
+        regions = [getattr(s, f) for f in ("src", "dst", "value") if isinstance(getattr(s, f, None), Region)]
+        if any(rg.buffer is buf for rg in regions if rg is not getattr(s, "dst", None)):
+            return None
+        exprs = rewrite.exprs_of(s) + [x for rg in regions for x in rg.starts if isinstance(x, E.Expr)]
+        if any(isinstance(x, E.Load) and x.buffer is buf for e in exprs for x in rewrite.sub_exprs(e)):
+            return None
+    return readers
+
+
+def _copy_dims(c: S.Copy):
+    """Pairs (dim of the destination buffer, dim of the source) along which the copy's tile extends (extents > 1,
+    in order), or None when the two sides' tiles differ."""
+    src = [d for d, e in enumerate(c.src.extents) if E.const_value(e) != 1]
+    dst = [d for d, e in enumerate(c.dst.extents) if E.const_value(e) != 1]
+    if len(src) != len(dst) or not src or \
+            any(E.const_value(c.src.extents[i]) != E.const_value(c.dst.extents[j]) for i, j in zip(src, dst)):
+        return None
+    return list(zip(dst, src))
+
+
+def _staged_source(rg: Region, c: S.Copy):
+    """The region of ``c``'s source that holds what ``rg`` (a region of the buffer ``c`` fills whole) holds after
+    ``c``; None if ``rg`` is not inside what ``c`` maps. A tile of one row keeps the source dim just before its
+    columns as its row dim."""
+    dims = _copy_dims(c)
+    starts = [E.as_expr(x) for x in c.src.starts]
+    exts = [E.as_expr(e) for e in c.src.extents]
+    keep = [False] * len(starts)
+    mapped = dict(dims or ())
+    for j, x in enumerate(rg.starts):
+        if j in mapped:
+            i = mapped[j]
+            starts[i] = E.binop("+", starts[i], E.as_expr(x))
+            exts[i] = E.as_expr(rg.extents[j])
+            keep[i] = rg.keep[j]
+        elif E.const_value(E.as_expr(x)) != 0:
+            return None
+    if not dims:
+        return None
+    for d in range(dims[0][1] - 1, -1, -1):
+        if sum(keep) >= 2:
+            break
+        keep[d] = True
+    return Region(c.src.buffer, tuple(starts), tuple(exts), tuple(keep))
 
 
 def _rewrite_list(s, chosen: set, gemms: dict, names):
@@ -125,7 +189,7 @@ def _rewrite_list(s, chosen: set, gemms: dict, names):
     def gemm(g):
         if not isinstance(g, S.Gemm) or not {id(g.a.buffer), id(g.b.buffer)} & copies.keys():
             return None
-        a, b = (rewrite.staged_source(rg, copies[id(rg.buffer)]) if id(rg.buffer) in copies else rg
+        a, b = (_staged_source(rg, copies[id(rg.buffer)]) if id(rg.buffer) in copies else rg
                 for rg in (g.a, g.b))
         direct = dataclasses.replace(g, a=a, b=b)
         return direct if flag is None else S.If(flag, direct, g, loc=g.loc)
