@@ -14,6 +14,7 @@ from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.printer import Namer
+from tegula.tileops.gemm import tile2
 
 STORAGE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
            "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
@@ -320,8 +321,8 @@ class CFamilyEmitter:
         name = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3",
                 "float8_e5m2": "f8e5m2", "int8": "i8"}[a.dtype.name]
         self.uses_gemm.add(name)
-        m, n = (int(E.const_value(x)) for x in _tile2(c))
-        k = int(E.const_value(_tile2(a)[0 if s.trans_a else 1]))
+        m, n = tile2(c)
+        k = tile2(a)[0 if s.trans_a else 1]
         self.w(f"tg_gemm_{name}({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, "
                f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
 
@@ -342,11 +343,3 @@ class CFamilyEmitter:
             ld = self.ex(ld)
         off = self.flat(buf, [E.as_expr(x) for x in rg.starts])
         return f"&{self.nm(buf)}[{off}], {ld}"
-
-
-def _tile2(rg):
-    ext = [e for e in rg.extents if E.const_value(e) != 1]
-    if len(ext) == 2:
-        return ext
-    kept = [e for e, k in zip(rg.extents, rg.keep) if k]
-    return kept[-2:] if len(kept) >= 2 else [1] * (2 - len(ext)) + ext

@@ -31,12 +31,13 @@ def reads_b_in_place(s: S.Gemm) -> bool:
     data that buys nothing (elide_staging)."""
     if not s.trans_b or s.trans_a or s.a.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         return False
-    m, k = _tile2(s.c)[0], _tile2(s.a)[1]
+    m, k = tile2(s.c)[0], tile2(s.a)[1]
     return m <= 8 or (s.a.dtype.name == "bfloat16" and m <= 16 and k >= 512)
 
 
-def _tile2(rg) -> tuple:
-    """(rows, columns) of a gemm operand's 2-D tile: its two non-unit extents, else its last two kept dims."""
+def tile2(rg) -> tuple:
+    """(rows, columns) of a gemm operand's 2-D tile: its two non-unit extents, else its last two kept dims (the
+    emitters size the prelude call by it)."""
     ext = [int(E.const_value(e)) for e in rg.extents]
     big = [e for e in ext if e != 1]
     if len(big) == 2:
