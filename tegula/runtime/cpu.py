@@ -13,8 +13,8 @@ import threading
 
 from tegula import config
 from tegula.errors import CompileError
+from tegula.runtime.prelude import PRELUDE_DIR, prelude_hash
 
-PRELUDE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "codegen", "prelude")
 # -fno-trapping-math: floating-point exceptions are not part of a kernel's meaning, and under gcc's default a float
 # op that only one side of a select needs is not if-converted, which leaves the whole loop scalar (no value changes:
 # rounding and contraction stay IEEE's)
@@ -85,17 +85,7 @@ def identity() -> str:
     """Everything about the toolchain a binary depends on (part of the cache key)."""
     cc = compiler()
     ident, _ = _compiler_info(cc)
-    return "|".join([cc, ident, " ".join(flags()), host_isa(), _prelude_hash()])
-
-
-@functools.lru_cache(maxsize=None)
-def _prelude_hash() -> str:
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(PRELUDE_DIR)):
-        if name.endswith(".h"):
-            with open(os.path.join(PRELUDE_DIR, name), "rb") as f:
-                h.update(name.encode() + f.read())
-    return h.hexdigest()[:16]
+    return "|".join([cc, ident, " ".join(flags()), host_isa(), prelude_hash()])
 
 
 # Half of a GEMM kernel's compile is parsing the prelude (immintrin.h above all), so the prelude headers a source

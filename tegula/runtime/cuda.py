@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
@@ -20,8 +19,8 @@ import subprocess
 from tegula import config
 from tegula.errors import CompileError
 from tegula.runtime import launch
+from tegula.runtime.prelude import PRELUDE_DIR, prelude_hash
 
-PRELUDE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "codegen", "prelude")
 BASE_FLAGS = ["-O3", "-std=c++17", "--fmad=false", "-w"]
 DEFAULT_ARCH = "sm_90a"
 _CTYPES = {"bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16, "int32": ctypes.c_int32,
@@ -131,21 +130,11 @@ def can_compile() -> tuple[bool, str]:
     return (True, _nvcc_version(path)) if path else (False, "nvcc not found")
 
 
-@functools.lru_cache(maxsize=None)
-def _prelude_hash() -> str:
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(PRELUDE_DIR)):
-        if name.endswith(".h"):
-            with open(os.path.join(PRELUDE_DIR, name), "rb") as f:
-                h.update(name.encode() + f.read())
-    return h.hexdigest()[:16]
-
-
 def identity() -> str:
     path = nvcc()
     if path is None:
         raise CompileError("the cuda target needs nvcc (install the CUDA toolkit, or set NVCC)")
-    return "|".join([path, _nvcc_version(path), " ".join(flags()), _prelude_hash()])
+    return "|".join([path, _nvcc_version(path), " ".join(flags()), prelude_hash()])
 
 
 def build(source: str, out_path: str, name: str = "kernel") -> None:

@@ -12,15 +12,14 @@ them back.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import warnings
 
 from tegula import config
 from tegula.errors import CompileError
 from tegula.runtime import launch
+from tegula.runtime.prelude import PRELUDE_DIR, prelude_hash
 
-PRELUDE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "codegen", "prelude")
 BUILD_OPTIONS = ["-I", PRELUDE_DIR, "-cl-fp32-correctly-rounded-divide-sqrt"]
 
 
@@ -84,16 +83,6 @@ def devices() -> list[str]:
         return []
 
 
-@functools.lru_cache(maxsize=None)
-def _prelude_hash() -> str:
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(PRELUDE_DIR)):
-        if name.endswith(".h"):
-            with open(os.path.join(PRELUDE_DIR, name), "rb") as f:
-                h.update(name.encode() + f.read())
-    return h.hexdigest()[:16]
-
-
 def options() -> list[str]:
     return BUILD_OPTIONS + config.get().opencl_flags.split()
 
@@ -101,7 +90,7 @@ def options() -> list[str]:
 def identity() -> str:
     """The device and driver a kernel is built for, the build options and the prelude (part of the cache key)."""
     _, _, dev, _ = state()
-    return "|".join([dev.name, dev.platform.version, dev.driver_version, " ".join(options()), _prelude_hash()])
+    return "|".join([dev.name, dev.platform.version, dev.driver_version, " ".join(options()), prelude_hash()])
 
 
 _BUILT: dict = {}  # source -> program built in this process

@@ -61,7 +61,7 @@ def build_pending() -> None:
     path = cuda_rt.nvcc()
     # device code unoptimised: a third of the time of -O3 for the unrolled GEMM tiles, and the same checks
     flags = cuda_rt.flags(ARCHS) + ["-Xcicc", "-O0", "-Xptxas", "-O0", "--threads", "2"]
-    key = hashlib.sha256("\0".join([path, " ".join(flags), cuda_rt._prelude_hash(), text]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([path, " ".join(flags), cuda_rt.prelude_hash(), text]).encode()).hexdigest()
     marker = os.path.join(config.get().cache_dir, "cuda-batches", key)
     if os.path.exists(marker):
         return
