@@ -7,21 +7,22 @@ from tegula.tileops import lowers
 from tegula.tileops.common import in_bounds, parallel_nest, region_index, tile_shape
 
 
+def atomic_element(s: S.Atomic, ivars) -> S.Stmt:
+    """The atomic update of the destination element at ``ivars`` (tile coordinates), guarded at a global edge."""
+    dst = s.dst
+    di = region_index(dst, ivars)
+    if isinstance(s.value, E.Expr):
+        v = s.value
+    else:
+        v = E.cast(E.Load(s.value.buffer, region_index(s.value, ivars)), dst.dtype)
+    st = S.AtomicElem(s.kind, dst.buffer, di, v, loc=s.loc)
+    g = in_bounds(dst, di)
+    return S.If(g, st, loc=s.loc) if g is not None else st
+
+
 @lowers(S.Atomic, "cpu")
 def lower_atomic(s: S.Atomic) -> S.Stmt:
-    dst = s.dst
-
-    def body(ivars):
-        di = region_index(dst, ivars)
-        if isinstance(s.value, E.Expr):
-            v = s.value
-        else:
-            v = E.cast(E.Load(s.value.buffer, region_index(s.value, ivars)), dst.dtype)
-        st = S.AtomicElem(s.kind, dst.buffer, di, v, loc=s.loc)
-        g = in_bounds(dst, di)
-        return S.If(g, st, loc=s.loc) if g is not None else st
-
-    shape = tile_shape(dst)
+    shape = tile_shape(s.dst)
     if not shape:
-        return body([])
-    return parallel_nest(shape, body, s.loc)
+        return atomic_element(s, [])
+    return parallel_nest(shape, lambda ivars: atomic_element(s, ivars), s.loc)

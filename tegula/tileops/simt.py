@@ -14,6 +14,7 @@ from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.tileops import lowers
+from tegula.tileops.atomic import atomic_element
 from tegula.tileops.common import fresh_var, in_bounds, parallel_nest, region_index, tile_shape
 from tegula.tileops.reduce import lower_reduce
 
@@ -58,17 +59,7 @@ def lower_fill(s: S.Fill) -> S.Stmt:
 
 @lowers(S.Atomic, "simt")
 def lower_atomic(s: S.Atomic) -> S.Stmt:
-    dst = s.dst
-
-    def body(ivars):
-        di = region_index(dst, ivars)
-        if isinstance(s.value, E.Expr):
-            v = s.value
-        else:
-            v = E.cast(E.Load(s.value.buffer, region_index(s.value, ivars)), dst.dtype)
-        return _guard(in_bounds(dst, di), S.AtomicElem(s.kind, dst.buffer, di, v, loc=s.loc), s.loc)
-
-    return nest(tile_shape(dst), body, s.loc)
+    return nest(tile_shape(s.dst), lambda ivars: atomic_element(s, ivars), s.loc)
 
 
 @lowers(S.Reduce, "simt")
