@@ -40,10 +40,16 @@ def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W):
     T.fill(acc, 0.0)
     xv = T.reshape(xf, (BM, W // LANES, LANES))
     for c in T.serial(T.ceildiv(hidden, W)):
-        T.copy(X[r0, c * W], xf)
-        for cc in T.serial(W // LANES):
-            for i, lane in T.Parallel(BM, LANES):
-                acc[i, lane] = acc[i, lane] + xv[i, cc, lane] * xv[i, cc, lane]
+        if c * W + (W - 1) < hidden:  # a whole chunk: squares summed straight from X (no staging pass)
+            for cc in T.serial(W // LANES):
+                for i, lane in T.Parallel(BM, LANES):
+                    x = T.cast(X[r0 + i, c * W + cc * LANES + lane], "float32")
+                    acc[i, lane] = acc[i, lane] + x * x
+        else:
+            T.copy(X[r0, c * W], xf)
+            for cc in T.serial(W // LANES):
+                for i, lane in T.Parallel(BM, LANES):
+                    acc[i, lane] = acc[i, lane] + xv[i, cc, lane] * xv[i, cc, lane]
     for step in T.unroll(5):
         half = 16 >> step
         for i, lane in T.Parallel(BM, 16):
@@ -54,18 +60,22 @@ def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W):
 
 
 @T.macro
-def _normalised(X, Wt, xf, wf, rstd, r0, c0, BM, W):
-    T.copy(X[r0, c0], xf)
-    T.copy(Wt[c0], wf)
-    for i, j in T.Parallel(BM, W):
-        xf[i, j] = xf[i, j] * wf[j] * rstd[i]
+def _normalised(X, Wt, xf, wf, rstd, r0, c0, hidden, BM, W):
+    if c0 + (W - 1) < hidden:  # a whole chunk: x and w converted as they are read, one pass
+        for i, j in T.Parallel(BM, W):
+            xf[i, j] = T.cast(X[r0 + i, c0 + j], "float32") * T.cast(Wt[c0 + j], "float32") * rstd[i]
+    else:
+        T.copy(X[r0, c0], xf)
+        T.copy(Wt[c0], wf)
+        for i, j in T.Parallel(BM, W):
+            xf[i, j] = xf[i, j] * wf[j] * rstd[i]
 
 
 def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
-    NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
+    NT, H, XST = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride")
 
     @T.prim_func
-    def rmsnorm(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((HW,), w_dtype),
+    def rmsnorm(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((H,), w_dtype),
                 Y: T.Tensor((NT, H), in_dtype), eps: T.float32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM
@@ -75,14 +85,14 @@ def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
             rstd = T.alloc_fragment((BM,), "float32")
             _rstd(X, xf, acc, rstd, r0, H, eps, BM, W)
             for c in T.serial(T.ceildiv(H, W)):
-                _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
                 T.copy(xf, Y[r0, c * W])
     return rmsnorm
 
 
 def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
     """G in (16, 32, 64, 128): scales per group, chunk by chunk; G == 0: one scale per row (a third pass)."""
-    NT, H, XST, HW = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride"), T.dynamic("hidden_w")
+    NT, H, XST = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride")
     QC = T.dynamic("q_cols")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
@@ -90,8 +100,8 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
     GB = W // Gt
 
     @T.prim_func
-    def rmsnorm_cast(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((HW,), w_dtype),
-                     Q: T.Tensor((NT, QC), OUT_DTYPE[fmt]), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+    def rmsnorm_cast(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((H,), w_dtype),
+                     Q: T.Tensor((NT, H if fmt == "e4m3" else QC), OUT_DTYPE[fmt]), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
                      eps: T.float32, flags: T.int32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM
@@ -112,7 +122,7 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
                 part = T.alloc_fragment((BM,), "float32")
                 T.fill(rmax, 0.0)
                 for c in T.serial(T.ceildiv(H, W)):
-                    _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                    _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
                     T.reduce_absmax(xf, part, dim=1)
                     for i in T.Parallel(BM):
                         rmax[i] = T.max(rmax[i], part[i])
@@ -122,7 +132,7 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
                     if r0 + i < NT and g == 0:
                         S[r0 + i, 0] = T.if_then_else(packed, e_, w_)
             for c in T.serial(T.ceildiv(H, W)):
-                _normalised(X, Wt, xf, wf, rstd, r0, c * W, BM, W)
+                _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
                 if G != 0:
                     T.reduce_absmax(xg, amax, dim=2)
                     for i, g in T.Parallel(BM, GB):
@@ -131,9 +141,13 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
                         inv[i, g] = v_
                         eb[i, g] = e_
                     store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H, G), packed, BM, GB)
-                for i, g, k in T.Parallel(BM, GB, Gt):
-                    xg[i, g, k] = xg[i, g, k] * inv[i, g]
-                store_quantized(Q, xf, r0, c * W, fmt, BM, W)
+                if fmt == "e4m3" and c * W + (W - 1) < H:  # scale, narrow and store in one pass
+                    for i, g, k in T.Parallel(BM, GB, Gt):
+                        Q[r0 + i, c * W + g * Gt + k] = T.cast(xg[i, g, k] * inv[i, g], "float8_e4m3fn")
+                else:
+                    for i, g, k in T.Parallel(BM, GB, Gt):
+                        xg[i, g, k] = xg[i, g, k] * inv[i, g]
+                    store_quantized(Q, xf, r0, c * W, fmt, BM, W)
     return rmsnorm_cast
 
 

@@ -19,7 +19,7 @@ from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.buffer import Region
-from tegula.ir.simplify import const_difference
+from tegula.ir.simplify import const_difference, linear
 
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}
 
@@ -142,10 +142,29 @@ class _Ctx:
                                      _same(a, i) and op == ">" and self.nonneg(_op("+", b, 1))
                                      for a, op, b in self.facts)
         high = self.below(hi, n) or any(
-            (_same(a, i) or _same(a, hi)) and (op == "<" and (_same(b, n) or self.below(_op("-", b, 1), n)) or
-                                              op == "<=" and self.below(b, n))
+            (_same(a, i) or _same(a, hi) or self.at_most(i, a)) and
+            (op == "<" and (_same(b, n) or self.below(_op("-", b, 1), n)) or op == "<=" and self.below(b, n))
             for a, op, b in self.facts)
         return low, high
+
+    def at_most(self, i, a) -> bool:
+        """i <= a, where i - a is affine in loops of constant range (``c * 64 + j`` against ``c * 64 + 63``)."""
+        li, la = linear(i), linear(a)
+        if li is None or la is None:
+            return False
+        terms = dict(li[0])
+        for k, (atom, c) in la[0].items():
+            terms[k] = (atom, terms.get(k, (atom, 0))[1] - c)
+        top = li[1] - la[1]
+        for atom, c in terms.values():
+            if c == 0:
+                continue
+            lo, hi = self.ranges.get(id(atom), (None, None)) if isinstance(atom, E.Var) else (None, None)
+            lo, hi = E.const_value(lo), E.const_value(hi)
+            if not isinstance(lo, int) or not isinstance(hi, int):
+                return False
+            top += c * (hi if c > 0 else lo)
+        return top <= 0
 
     def guard(self, buffer, indices):
         """The in-bounds condition of an access, or None when it is provably inside."""

@@ -76,6 +76,33 @@ def test_a_hand_written_guard_is_enough():
     assert text.count("if ") == 1 and "select(" not in text, text
 
 
+def chunked_copy():
+    n = T.dynamic("n")
+
+    @T.prim_func
+    def main(A: T.Tensor((n,), "float32"), B: T.Tensor((n,), "float32")):
+        with T.Kernel(1):
+            for c in T.serial(T.ceildiv(n, 64)):
+                if c * 64 + 63 < n:  # a whole chunk: every index c * 64 + j is inside
+                    for j in T.Parallel(64):
+                        B[c * 64 + j] = A[c * 64 + j] + 1.0
+                else:
+                    for j in T.Parallel(64):
+                        B[c * 64 + j] = A[c * 64 + j] + 2.0
+    return main
+
+
+def test_a_whole_chunk_condition_proves_the_chunk_inside(target):
+    # the condition bounds the chunk's last index; the loop offsets j stay below it, so the then-branch has no
+    # guard (the else branch keeps its own); the partial last chunk still skips its stores past the edge
+    text = tegula.lower(chunked_copy(), target="c").lowered.script()
+    assert text.count("if ") == 2 and text.count("select(") == 1, text
+    a = torch.randn(150)
+    b = torch.zeros(150)
+    tegula.compile(chunked_copy(), target=target)(a, b)
+    assert torch.equal(b, torch.cat([a[:128] + 1, a[128:] + 2]))
+
+
 def test_element_atomics_past_the_edge_do_nothing(target):
     # scatter-add through an index tensor whose entries may point past the end (a sentinel), from a T.Parallel
     @T.prim_func
