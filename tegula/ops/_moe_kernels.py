@@ -64,23 +64,37 @@ def topk_gate(E, K, BM=2):
     return topk_gate
 
 
+def _ordered_sum(W, r, K):
+    """1e-20 + W[r, 0] + ... + W[r, K - 1], added left to right: one expression (the loop over K unrolled here)."""
+    s = W[r, 0] + 1e-20
+    for k in range(1, K):
+        s = s + W[r, k]
+    return s
+
+
 def normalize_weight(K, BM=256):
     """W (num_tokens, K) -> D (num_tokens,) = 1e-20 + W[:, 0] + W[:, 1] + ... (in that order), N = W / D.
-    Read and written in place (no staging tiles): gcc turns each row into its chain of adds and one divide."""
+    Read and written in place (no staging tiles). A block of BM whole rows sums across rows (lane i: row i, the K
+    adds in order), so the adds are vector adds, not a scalar chain per row."""
     NT = T.dynamic("num_tokens")
 
     @T.prim_func
     def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
                          N: T.Tensor((NT, K), "float32")):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
             d = T.alloc_fragment((BM,), "float32")
-            for i in T.Parallel(BM):
-                d[i] = 1e-20
-                for k in T.unroll(K):
-                    d[i] = d[i] + W[by * BM + i, k]
-            for i, k in T.Parallel(BM, K):
-                N[by * BM + i, k] = W[by * BM + i, k] / d[i]
-            T.copy(d, D[by * BM])
+            if r0 + (BM - 1) < NT:  # whole blocks: no row tests
+                for ib, l in T.Parallel(BM // 16, 16):  # 16 rows a vector (a (BM,) loop would fuse with the next)
+                    d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
+                for i, k in T.Parallel(BM, K):
+                    N[r0 + i, k] = W[r0 + i, k] / d[i]
+            else:
+                for ib, l in T.Parallel(BM // 16, 16):
+                    d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
+                for i, k in T.Parallel(BM, K):
+                    N[r0 + i, k] = W[r0 + i, k] / d[i]
+            T.copy(d, D[r0])
     return normalize_weight
 
 
