@@ -29,9 +29,9 @@ __all__ = ["apply_rotary"]
 _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
-def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16):
+def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16, HB=4):
     """X (tokens, heads, D) rotated in place in its first R dims; a block takes BT tokens, all heads (their cos / sin
-    rows gathered once)."""
+    rows gathered once), token by token in tiles of HB heads."""
     NTOK, NH = T.dynamic("num_tokens"), T.dynamic("num_heads")
     ST, SH = T.dynamic("tok_stride"), T.dynamic("head_stride")
     NP, MAXP = T.dynamic("num_positions"), T.dynamic("max_position")
@@ -45,28 +45,29 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
             t0 = bt * BT
             pos = T.alloc_fragment((BT,), "int32")
             cs = T.alloc_fragment((BT, R), "float32")
-            x = T.alloc_fragment((BT, R), "float32")
-            y = T.alloc_fragment((BT, R), "float32")
+            x = T.alloc_fragment((HB, R), "float32")
+            y = T.alloc_fragment((HB, R), "float32")
             for t in T.Parallel(BT):
                 tok = T.min(t0 + t, NTOK - 1)
                 p = P[T.min(tok, NP - 1)] if use_pos else tok % seqlen + offset
                 pos[t] = T.clamp(p, 0, MAXP - 1)
             for t, i in T.Parallel(BT, R):
                 cs[t, i] = CS[pos[t], i]
-            for h in T.serial(NH):
-                T.copy(X[t0:t0 + BT, h, 0:R], x)
-                for t, i in T.Parallel(BT, R2):
-                    c = cs[t, i]
-                    s = cs[t, R2 + i] * sgn
-                    if interleaved:
-                        x1, x2 = x[t, 2 * i], x[t, 2 * i + 1]
-                        y[t, 2 * i] = x1 * c - x2 * s
-                        y[t, 2 * i + 1] = x2 * c + x1 * s
-                    else:
-                        x1, x2 = x[t, i], x[t, R2 + i]
-                        y[t, i] = x1 * c - x2 * s
-                        y[t, R2 + i] = x2 * c + x1 * s
-                T.copy(y, X[t0:t0 + BT, h, 0:R])
+            for t in T.serial(BT):  # token by token, HB heads a tile: the rows run along memory (a tile of BT
+                for hc in T.serial(T.ceildiv(NH, HB)):  # tokens of one head strides by a token's whole size)
+                    T.copy(X[t0 + t, hc * HB:hc * HB + HB, 0:R], x)
+                    for hh, i in T.Parallel(HB, R2):
+                        c = cs[t, i]
+                        s = cs[t, R2 + i] * sgn
+                        if interleaved:
+                            x1, x2 = x[hh, 2 * i], x[hh, 2 * i + 1]
+                            y[hh, 2 * i] = x1 * c - x2 * s
+                            y[hh, 2 * i + 1] = x2 * c + x1 * s
+                        else:
+                            x1, x2 = x[hh, i], x[hh, R2 + i]
+                            y[hh, i] = x1 * c - x2 * s
+                            y[hh, R2 + i] = x2 * c + x1 * s
+                    T.copy(y, X[t0 + t, hc * HB:hc * HB + HB, 0:R])
     return rope
 
 
