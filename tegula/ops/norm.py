@@ -90,7 +90,7 @@ def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
     return rmsnorm
 
 
-def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=512, BM=1):
+def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
     """G in (16, 32, 64, 128): scales per group, chunk by chunk; G == 0: one scale per row (a third pass)."""
     NT, H, XST = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride")
     QC = T.dynamic("q_cols")

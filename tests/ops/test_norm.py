@@ -46,6 +46,7 @@ def test_rmsnorm_strided_rows(target):
     (4001, 2048, "e4m3", 128, {}),
     (300, 576, "e2m1", 32, dict(round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)),
     (65, 7168, "e4m3", 7168, dict(round_sf=True)),
+    (37, 1600, "e4m3", 64, {}),  # whole 1024-column chunks and a partial one in a row
 ])
 def test_rmsnorm_forward_and_per_token_cast(target, n, h, fmt, g, opts):
     n = n if target == "c" else min(n, 3)
