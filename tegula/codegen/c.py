@@ -3,11 +3,14 @@ per-thread aligned arrays, the innermost T.Parallel loop an ``omp simd`` loop, T
 from __future__ import annotations
 
 from tegula.codegen.c_fuse import fuse
+from tegula.codegen.c_fuse import key as fuse_key
 from tegula.codegen.cfamily import STORAGE, CFamilyEmitter, reg_type
 from tegula.errors import CompileError
+from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.cpu import StreamCopy
+from tegula.passes import rewrite
 
 HEAP_THRESHOLD = 64 * 1024  # per-thread on-chip bytes above which buffers come from the heap, not the stack
 
@@ -121,6 +124,12 @@ class CEmitter(CFamilyEmitter):
 
     def stmt_For(self, s: S.For):
         if self.outer is None:
+            plan = _compress_plan(s)
+            if plan is not None:
+                return self.compress_loop(s, plan)
+            plan = _ballot_plan(s)
+            if plan is not None:
+                return self.ballot_loop(s, plan)
             return super().stmt_For(s)
         mark = len(self.outer)
         self.outer.append(("int32_t", self.nm(s.var), s.var))
@@ -138,6 +147,92 @@ class CEmitter(CFamilyEmitter):
         super().stmt_While(s)
         if mark is not None:
             del self.outer[mark:]
+
+    def fresh(self, base: str) -> str:
+        """A new C name not used elsewhere in the translation unit."""
+        obj = E.Var(base, dt.int32)
+        self.keep_alive = getattr(self, "keep_alive", []) + [obj]   # ids stay unique while the emitter lives
+        return self.nm(obj)
+
+    # The compress idiom (see _compress_plan): the loop runs in groups of CLANES iterations. A vector loop
+    # computes each group's conditions and values into small arrays (and the masked min / max updates as omp
+    # simd reductions); tg_mask16 makes the conditions a bit mask, tg_compress16_32 appends the selected values
+    # of each buffer at the counter, which then grows by the mask's popcount (tegula_compress.h: vpcompressd on
+    # AVX-512). The last extent % CLANES iterations run as written.
+    def compress_loop(self, s: S.For, plan):
+        self.uses_compress = True
+        cnt, decls, cond, stores, reds = plan
+        n, v = self.nm(cnt), self.nm(s.var)
+        jb, ln, end, mk, sel = (self.fresh(x) for x in ("tg_jb", "tg_l", "tg_end", "tg_mask", "tg_sel"))
+        vals = [self.fresh("tg_val") for _ in stores]
+        self.w("{")
+        self.ind += 1
+        start, ext = self.ex(s.start), self.ex(s.extent)
+        self.w(f"const int32_t {end} = {start} + {ext};")
+        self.w(f"int32_t {jb} = {start};")
+        self.w(f"for (; {jb} <= {end} - {CLANES}; {jb} += {CLANES}) {{")
+        self.ind += 1
+        self.w(f"int32_t {sel}[{CLANES}] __attribute__((aligned(64)));")
+        for a, st in zip(vals, stores):
+            self.w(f"{STORAGE[st.buffer.dtype.name]} {a}[{CLANES}] __attribute__((aligned(64)));")
+        # the min / max updates as omp simd reductions: each group's lanes are combined into the scalar (kept
+        # per lane across groups instead, gcc stores them to memory around the compressing stores, and the
+        # next group waits for them)
+        self.w("#pragma omp simd" + "".join(f" reduction({op}:{self.nm(var)})" for op, var, _ in reds))
+        self.w(f"for (int32_t {ln} = 0; {ln} < {CLANES}; ++{ln}) {{")
+        self.ind += 1
+        self.w(f"const int32_t {v} = {jb} + {ln};")
+        for d in decls:
+            self.stmt(d)
+        c = self.fresh("tg_c")
+        self.w(f"const bool {c} = {self.ex(cond)};")
+        self.w(f"{sel}[{ln}] = -(int32_t){c};")
+        for a, st in zip(vals, stores):
+            self.w(f"{a}[{ln}] = ({STORAGE[st.buffer.dtype.name]})({self.store_value(st.buffer, st.value)});")
+        for op, var, value in reds:
+            self.w(f"{self.nm(var)} = {c} ? {self.ex(value)} : {self.nm(var)};")
+        self.ind -= 1
+        self.w("}")
+        self.w(f"const uint32_t {mk} = tg_mask16({sel});")
+        for a, st in zip(vals, stores):
+            self.w(f"tg_compress16_32(&{self.nm(st.buffer)}[{self.flat(st.buffer, st.indices)}], {a}, {mk});")
+        self.w(f"{n} += (int32_t)__builtin_popcount({mk});")
+        self.ind -= 1
+        self.w("}")
+        self.w(f"for (; {jb} < {end}; ++{jb}) {{")
+        self.ind += 1
+        self.w(f"const int32_t {v} = {jb};")
+        self.stmt(s.body)
+        self.ind -= 1
+        self.w("}")
+        self.ind -= 1
+        self.w("}")
+
+    # The ballot idiom (see _ballot_plan): the loop's conditions go to an array of lanes in a vector loop and
+    # tg_mask16 turns each 16 of them into bits (vptestmd on AVX-512), instead of shifting each condition to
+    # its bit and summing the lanes horizontally.
+    def ballot_loop(self, s: S.For, plan):
+        self.uses_compress = True
+        acc, op, cond, skip = plan
+        ext = int(s.extent.value)
+        v, sel = self.nm(s.var), self.fresh("tg_sel")
+        self.w("{")
+        self.ind += 1
+        self.w(f"int32_t {sel}[{ext}] __attribute__((aligned(64)));")
+        self.w("#pragma omp simd")
+        self.w(f"for (int32_t {v} = 0; {v} < {ext}; ++{v}) {{")
+        self.ind += 1
+        for t in _flat([s.body]):
+            if not any(t is x for x in skip):
+                self.stmt(t)
+        self.w(f"{sel}[{v}] = -(int32_t)({self.ex(cond)});")
+        self.ind -= 1
+        self.w("}")
+        ct = reg_type(acc.dtype)
+        bits = " | ".join(f"(({ct})tg_mask16({sel} + {q}) << {q})" for q in range(0, ext, 16))
+        self.w(f"{self.nm(acc)} = {self.nm(acc)} {'+' if op == '+' else '|'} ({bits});")
+        self.ind -= 1
+        self.w("}")
 
     def emit(self, symbols: list) -> str:
         """The translation unit: prelude includes, a static function per grid and one exported function
@@ -162,8 +257,144 @@ class CEmitter(CFamilyEmitter):
             head.append('#include "tegula_gemm.h"')
         if getattr(self, "uses_stream", False):
             head.append('#include "tegula_stream.h"')
+        if getattr(self, "uses_compress", False):
+            head.append('#include "tegula_compress.h"')
         body = [f"TG_EXPORT void tg_{f.name}({', '.join(self.params) or 'void'}) {{"] + self.lines + ["}"]
         return "\n".join(head + [""] + self.helpers + body) + "\n"
+
+
+CLANES = 16   # iterations per group of the compress idiom (tg_mask16 / tg_compress16_32)
+
+
+def _compress_plan(s: S.For):
+    """(counter, declarations, condition, stores, reductions) when ``s`` is a serial loop of the form
+
+        for j in T.serial(n):
+            x = ...                      # locals declared in the loop, any number
+            if cond:
+                buf[cnt] = value         # one or more 1-D buffers of 32-bit elements, indexed by cnt alone
+                acc = T.max(acc, e)      # optional min / max updates of scalars declared outside
+                cnt = cnt + 1
+
+    (each buffer stored once, before the increment; cnt, the accumulators and the stored buffers used nowhere
+    else in the loop; the stored values and updates free of integer division and of loads that the
+    declarations or the condition do not make anyway, since they are computed for every iteration); else None. Such a loop appends the values that pass, in order, at cnt: a compressing
+    store, what ``compress_loop`` emits."""
+    if s.kind != "serial" or s.step != 1 or s.annotations:
+        return None
+    items = _flat([s.body])
+    if not items or not isinstance(items[-1], S.If) or items[-1].orelse is not None:
+        return None
+    decls, last = items[:-1], items[-1]
+    if not all(isinstance(d, S.Assign) and d.declare for d in decls):
+        return None
+    then = _flat([last.then])
+    cnt, stores, reds, seen = None, [], [], set()
+    for t in then:
+        if isinstance(t, S.Store):
+            b = t.buffer
+            if cnt is not None or len(t.indices) != 1 or b.dtype.is_float and b.dtype != dt.float32 or \
+                    b.dtype.bits != 32 or not isinstance(t.indices[0], E.Var) or id(_root(b)) in seen:
+                return None
+            seen.add(id(_root(b)))
+            stores.append(t)
+        elif isinstance(t, S.Assign) and not t.declare:
+            e = t.value
+            if isinstance(e, E.BinOp) and e.op == "+" and e.a is t.var and isinstance(e.b, E.Const) \
+                    and e.b.value == 1 and t.var.dtype == dt.int32 and cnt is None:
+                cnt = t.var
+            elif isinstance(e, E.BinOp) and e.op in ("min", "max") and e.a is t.var and \
+                    all(t.var is not r[1] for r in reds):
+                reds.append((e.op, t.var, e))
+            else:
+                return None
+        else:
+            return None
+    if cnt is None or not stores or any(st.indices[0] is not cnt for st in stores):
+        return None
+    special = {id(cnt)} | {id(r[1]) for r in reds}
+    locals_ = {id(d.var) for d in decls}
+    if special & locals_:
+        return None
+    # the stored values and updates are computed for every lane, also where cond fails: they may not trap
+    # (integer division) nor read memory that cond may guard, so their loads must be ones that run anyway
+    ran = {fuse_key(x) for e in [last.cond] + [d.value for d in decls] for x in rewrite.sub_exprs(e)
+           if isinstance(x, E.Load)}
+    for e in [st.value for st in stores] + [r[2].b for r in reds]:
+        for x in rewrite.sub_exprs(e):
+            if isinstance(x, E.Load) and fuse_key(x) not in ran:
+                return None
+            if isinstance(x, E.BinOp) and x.op in ("/", "//", "%") and not x.dtype.is_float:
+                return None
+    others = [last.cond] + [d.value for d in decls] + [st.value for st in stores] + [r[2].b for r in reds]
+    for e in others:
+        for x in rewrite.sub_exprs(e):
+            if isinstance(x, E.Var) and id(x) in special:
+                return None
+            if isinstance(x, E.Load) and id(_root(x.buffer)) in seen:
+                return None
+    return cnt, decls, last.cond, stores, reds
+
+
+def _ballot_plan(s: S.For):
+    """(acc, op, condition, statements to leave out) when ``s`` is an innermost loop ``for j in range(E)``,
+    E in {16, 32, 48, 64} and at most acc's width in bits, whose last statement is the reduction
+    ``acc = acc + (T.cast(cond, u) << T.cast(j, u))`` (or ``|``; the shifted term possibly through a local
+    declared in the loop and used nowhere else), acc unsigned and used nowhere else in the loop: the bits are
+    distinct, so acc gains the mask of the iterations whose cond holds (a ballot). Else None."""
+    red = s.annotations.get("reduction")
+    if red is None or not isinstance(red[0], str) or set(s.annotations) != {"reduction"}:
+        return None
+    op, acc = red
+    if op not in ("+", "|") or not isinstance(acc, E.Var) or acc.dtype not in (dt.uint32, dt.uint64):
+        return None
+    if s.step != 1 or not (isinstance(s.start, E.Const) and s.start.value == 0):
+        return None
+    if not (isinstance(s.extent, E.Const) and s.extent.value in (16, 32, 48, 64) and s.extent.value <= acc.dtype.bits):
+        return None
+    items = _flat([s.body])
+    if any(not isinstance(t, (S.Assign, S.Store, S.If)) for t in items) or not _simd_safe(s.body):
+        return None
+    last = items[-1]
+    if not (isinstance(last, S.Assign) and not last.declare and last.var is acc and isinstance(last.value, E.BinOp)
+            and last.value.op == op and last.value.a is acc):
+        return None
+    term, skip = last.value.b, [last]
+    if isinstance(term, E.Var):
+        decl = [t for t in items if isinstance(t, S.Assign) and t.var is term]
+        if len(decl) != 1 or not decl[0].declare:
+            return None
+        skip.append(decl[0])
+        term = decl[0].value
+    if not (isinstance(term, E.BinOp) and term.op == "<<" and isinstance(term.a, E.Cast) and term.a.value.dtype.is_bool
+            and isinstance(term.b, E.Cast) and term.b.value is s.var and term.a.dtype == acc.dtype):
+        return None
+    cond = term.a.value
+    rest = [t for t in items if not any(t is x for x in skip)]
+    hidden = {id(acc)} | ({id(last.value.b)} if isinstance(last.value.b, E.Var) else set())
+    for t in rest:
+        for x in S.walk(t):
+            if isinstance(x, S.Assign) and id(x.var) in hidden:
+                return None
+            for e in rewrite.exprs_of(x):
+                if any(isinstance(y, E.Var) and id(y) in hidden for y in rewrite.sub_exprs(e)):
+                    return None
+    if any(isinstance(y, E.Var) and id(y) in hidden for y in rewrite.sub_exprs(cond)):
+        return None
+    return acc, op, cond, skip
+
+
+def _flat(items) -> list:
+    out = []
+    for x in items:
+        out.extend(_flat(x.body) if isinstance(x, S.Seq) else [x])
+    return out
+
+
+def _root(b):
+    while getattr(b, "alias", None) is not None:
+        b = b.alias
+    return b
 
 
 def _simd_safe(s) -> bool:

@@ -1,0 +1,69 @@
+/* Compressing stores for the c target: what a serial loop of the form
+ *     for j: if cond: buf[n] = v; n = n + 1
+ * becomes (the emitter's compress idiom, tegula/codegen/c.py). Its iterations run in groups of 16: a vector
+ * loop computes the 16 conditions and values into small arrays, tg_mask16 turns the conditions into a bit mask
+ * and tg_compress16_32 appends the values whose bit is set, in lane order, at dst (it writes exactly popcount
+ * elements: nothing past them). Only 32-bit elements; the emitter keeps the plain loop for other widths.
+ * AVX-512: vpcompressd into a register and a masked store (the memory form of vpcompressd is slow on Zen 4);
+ * AVX2 + BMI2: a permutation of each 8-lane half built from the mask (pdep / pext) and a masked store;
+ * elsewhere plain C that walks the set bits. */
+#ifndef TEGULA_COMPRESS_H
+#define TEGULA_COMPRESS_H
+#include <stdint.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__BMI2__))
+#include <immintrin.h>
+#endif
+
+/* bit l of the result is set when m[l] != 0 */
+static inline uint32_t tg_mask16(const int32_t *m) {
+#if defined(__AVX512F__)
+    __m512i v = _mm512_loadu_si512((const void *)m);
+    return (uint32_t)_mm512_test_epi32_mask(v, v);
+#elif defined(__AVX2__) && defined(__BMI2__)
+    __m256i z = _mm256_setzero_si256();
+    __m256i lo = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)m), z);
+    __m256i hi = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(m + 8)), z);
+    uint32_t eq = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(lo)) |
+                  ((uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(hi)) << 8);
+    return ~eq & 0xFFFFu;
+#else
+    uint32_t r = 0;
+    for (int l = 0; l < 16; ++l)
+        r |= (uint32_t)(m[l] != 0) << l;
+    return r;
+#endif
+}
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__BMI2__)
+/* the set lanes of the 8 in src (bits of mask8) to the front of dst, then their count */
+static inline int tg__compress8_32(int32_t *dst, const int32_t *src, uint32_t mask8) {
+    /* one byte 0xFF per set bit, then the lane numbers (bytes 0..7) of those bytes, packed to the front */
+    uint64_t sel = _pdep_u64(mask8, 0x0101010101010101ull) * 0xFFu;
+    uint64_t lanes = _pext_u64(0x0706050403020100ull, sel);
+    __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lanes));
+    __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)src), perm);
+    int n = __builtin_popcount(mask8);
+    __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_epi32((int *)dst, keep, v);
+    return n;
+}
+#endif
+
+/* append the 32-bit elements src[l] with bit l of mask set, in order, at dst: popcount(mask) stores */
+static inline void tg_compress16_32(void *dst, const void *src, uint32_t mask) {
+#if defined(__AVX512F__)
+    __m512i c = _mm512_maskz_compress_epi32((__mmask16)mask, _mm512_loadu_si512(src));
+    _mm512_mask_storeu_epi32(dst, (__mmask16)((1u << __builtin_popcount(mask)) - 1u), c);
+#elif defined(__AVX2__) && defined(__BMI2__)
+    int n = tg__compress8_32((int32_t *)dst, (const int32_t *)src, mask & 0xFFu);
+    tg__compress8_32((int32_t *)dst + n, (const int32_t *)src + 8, (mask >> 8) & 0xFFu);
+#else
+    uint32_t *d = (uint32_t *)dst;
+    const uint32_t *s = (const uint32_t *)src;
+    while (mask) {
+        *d++ = s[__builtin_ctz(mask)];
+        mask &= mask - 1u;
+    }
+#endif
+}
+#endif

@@ -1,0 +1,209 @@
+"""The c emitter's ballot and compress idioms (tegula/codegen/c.py, prelude tegula_compress.h) against interp.
+
+Ballot: a reduction ``acc += T.cast(cond, u) << T.cast(j, u)`` over 16..64 iterations (a T.reduce_sum of distinct
+bits) becomes a vector compare whose lanes tg_mask16 turns into bits. Compress: a serial loop ``if cond:
+buf[n] = v; n = n + 1`` (min / max updates allowed) runs in groups of 16 with compressing stores. Both are plain
+T.* code whose meaning interp defines; the c results must equal interp's on edge cases (no survivors, all,
+extents that are not a multiple of 16), and loops that do not have the form are emitted as written. The
+prelude routines are built once per ISA path the host can run (AVX-512, AVX2 + BMI2, plain C: each forced by
+undefining the macros of the paths above it).
+"""
+import ctypes
+import os
+import subprocess
+
+import pytest
+import torch
+
+import tegula
+import tegula.language as T
+
+PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen", "prelude")
+CC = os.environ.get("TEGULA_CC", "cc")
+
+
+def ballot_kernel(rows, width, udtype, op="sum"):
+    """M[r] = bit j set where X[r, j] > t (a reduce_sum, or with op="or" a serial loop with |)."""
+    @T.prim_func
+    def ballot(X: T.Tensor((rows, width), "int32"), M: T.Tensor((rows,), udtype), t: T.int32):
+        with T.Kernel(1, threads=1) as _:
+            x = T.alloc_fragment((rows, width), "int32")
+            fb = T.alloc_fragment((rows, width), udtype)
+            m = T.alloc_fragment((rows,), udtype)
+            T.copy(X, x)
+            if op == "sum":
+                for r, j in T.Parallel(rows, width):
+                    fb[r, j] = T.cast(x[r, j] > t, udtype) << T.cast(j, udtype)
+                T.reduce_sum(fb, m, dim=1)
+            else:
+                for r in T.serial(rows):
+                    acc = T.cast(0, udtype)
+                    for j in T.serial(width):
+                        acc = acc | (T.cast(x[r, j] > t, udtype) << T.cast(j, udtype))
+                    m[r] = acc
+            T.copy(m, M)
+    return ballot
+
+
+def compress_kernel(n, vdtype="float32", with_minmax=True, step=1):
+    """The values X[j] * 3 > t appended in order to on-chip buffers (keys and j as vdtype), copied out with the
+    count (and the largest / smallest appended key)."""
+    @T.prim_func
+    def compress(X: T.Tensor((n,), "int32"), K: T.Tensor((n + 1,), "int32"), V: T.Tensor((n + 1,), vdtype),
+                 C: T.Tensor((3,), "int32"), t: T.int32):
+        with T.Kernel(1, threads=1) as _:
+            ck = T.alloc_shared((n + 1,), "int32")
+            cv = T.alloc_shared((n + 1,), vdtype)
+            cnt = T.cast(0, "int32")
+            top = T.cast(-(1 << 31), "int32")
+            bot = T.cast((1 << 31) - 1, "int32")
+            for j in T.serial(0, n, step):
+                kv = X[j] * 3
+                if kv > t:
+                    ck[cnt] = kv
+                    cv[cnt] = T.cast(j, vdtype)
+                    if with_minmax:
+                        top = T.max(top, kv)
+                        bot = T.min(bot, kv)
+                    cnt = cnt + 1
+            for i in T.serial(cnt):
+                K[i] = ck[i]
+                V[i] = cv[i]
+            C[0] = cnt
+            C[1] = top
+            C[2] = bot
+    return compress
+
+
+def _run(kernel, args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args], kernel(*args)
+
+
+@pytest.mark.parametrize("width,udtype,op", [(32, "uint32", "sum"), (16, "uint32", "sum"), (64, "uint64", "sum"),
+                                              (48, "uint64", "or"), (32, "uint32", "or"), (20, "uint32", "sum")])
+def test_ballot_equals_interp(width, udtype, op):
+    f = ballot_kernel(5, width, udtype, op)
+    kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
+    src = kc.get_kernel_source()
+    # 20 lanes, or a serial loop (its iterations are not known independent): not the form, emitted as written
+    assert ("tg_mask16(" in src) == (width % 16 == 0 and op == "sum")
+    tdt, sdt = {"uint32": (torch.uint32, torch.int32), "uint64": (torch.uint64, torch.int64)}[udtype]
+    torch.manual_seed(width)
+    for t in (-10**6, 0, 10**6, 37):   # none, about half, all, a few set
+        x = torch.randint(-100, 100, (5, width), dtype=torch.int32)
+        x[1] = 1000   # a row with every bit set (the top bit of the word included)
+        x[2] = -1000  # and one with none
+        outs = []
+        for k in (kc, ki):
+            m = torch.full((5,), 7, dtype=sdt)
+            k(x, m.view(tdt), t)
+            outs.append(m)
+        assert torch.equal(outs[0], outs[1]), (t, outs)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 512, 1000])
+@pytest.mark.parametrize("vdtype,with_minmax", [("float32", True), ("int32", False), ("uint32", True)])
+def test_compress_equals_interp(n, vdtype, with_minmax):
+    f = compress_kernel(n, vdtype, with_minmax)
+    kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
+    assert "tg_compress16_32(" in kc.get_kernel_source()
+    tdt = {"float32": torch.float32, "int32": torch.int32, "uint32": torch.int32}[vdtype]
+    udt = torch.uint32 if vdtype == "uint32" else tdt
+    torch.manual_seed(n)
+    for t in (-10**9, 0, 10**9, 150):   # all survive, about half, none, a few
+        x = torch.randint(-100, 100, (n,), dtype=torch.int32)
+        outs = []
+        for k in (kc, ki):
+            ok = torch.full((n + 1,), -7, dtype=torch.int32)
+            ov = torch.full((n + 1,), -7, dtype=tdt)
+            c = torch.zeros(3, dtype=torch.int32)
+            k(x, ok, ov.view(udt), c, t)
+            outs.append((ok, ov, c))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (n, t, outs)
+
+
+def test_guarded_loads_are_not_speculated():
+    # X[j + 1] is read only where j + 1 < n: computing it for every lane could read past X, so not compressed
+    n = 40
+
+    @T.prim_func
+    def guarded(X: T.Tensor((n,), "int32"), K: T.Tensor((n,), "int32"), C: T.Tensor((1,), "int32")):
+        with T.Kernel(1, threads=1) as _:
+            ck = T.alloc_shared((n,), "int32")
+            cnt = T.cast(0, "int32")
+            for j in T.serial(n):
+                if j + 1 < n:
+                    ck[cnt] = X[j + 1]
+                    cnt = cnt + 1
+            for i in T.serial(cnt):
+                K[i] = ck[i]
+            C[0] = cnt
+
+    kc, ki = tegula.compile(guarded, target="c"), tegula.compile(guarded, target="interp")
+    assert "tg_compress16_32(" not in kc.get_kernel_source()
+    x = torch.arange(n, dtype=torch.int32)
+    outs = []
+    for k in (kc, ki):
+        o, c = torch.zeros(n, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        k(x, o, c)
+        outs.append((o, c))
+    assert all(torch.equal(a, b) for a, b in zip(*outs)) and outs[0][1].item() == n - 1
+
+
+@pytest.mark.parametrize("vdtype,step", [("int64", 1), ("float32", 2)])
+def test_other_loops_equal_interp(vdtype, step):
+    # 64-bit values are not compressed (emitted as written); a loop with a step is, over its own trip count
+    f = compress_kernel(100, vdtype, True, step=step)
+    kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
+    assert ("tg_compress16_32(" in kc.get_kernel_source()) == (vdtype != "int64")
+    tdt = torch.float32 if vdtype == "float32" else torch.int64
+    for t in (-10**9, 0, 150):
+        x = torch.randint(-100, 100, (100,), dtype=torch.int32)
+        outs = []
+        for k in (kc, ki):
+            ok, ov, c = torch.zeros(101, dtype=torch.int32), torch.zeros(101, dtype=tdt), torch.zeros(3, dtype=torch.int32)
+            k(x, ok, ov, c, t)
+            outs.append((ok, ov, c))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (t, outs)
+
+
+def _paths():
+    out = subprocess.run([CC, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
+    have = {m for m in ("__AVX512F__", "__AVX2__", "__BMI2__") if f"#define {m} " in out}
+    paths = [("native", [])]
+    if "__AVX512F__" in have and {"__AVX2__", "__BMI2__"} <= have:
+        paths.append(("AVX2 + BMI2", ["__AVX512F__"]))
+    paths.append(("plain C", ["__AVX512F__", "__AVX2__"]))
+    return paths
+
+
+DRIVER = r"""
+#include "tegula_compress.h"
+uint32_t mask16(const int32_t *m) { return tg_mask16(m); }
+void compress16(void *d, const void *s, uint32_t mask) { tg_compress16_32(d, s, mask); }
+"""
+
+
+@pytest.mark.parametrize("name,undef", _paths())
+def test_prelude_every_path(tmp_path, name, undef):
+    src = tmp_path / "drv.c"
+    src.write_text(DRIVER)
+    so = tmp_path / "drv.so"
+    subprocess.run([CC, "-O2", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-Werror",
+                    *[f"-U{m}" for m in undef], "-I", PRELUDE, str(src), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.mask16.argtypes = [ctypes.c_void_p]
+    lib.mask16.restype = ctypes.c_uint32
+    lib.compress16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
+    g = torch.Generator().manual_seed(1)
+    src_vals = torch.randint(-2**31, 2**31 - 1, (16,), dtype=torch.int32, generator=g)
+    for mask in (0, 1, 0x8000, 0xFFFF, 0x00FF, 0xFF00, 0x5A5A, 0x0180, 0x7FFE, 12345):
+        lanes = torch.tensor([-(mask >> i & 1) * (i + 3) for i in range(16)], dtype=torch.int32)  # any nonzero
+        assert lib.mask16(lanes.data_ptr()) == mask
+        dst = torch.full((16 + 8,), 99, dtype=torch.int32)
+        lib.compress16(dst.data_ptr() + 4 * 4, src_vals.data_ptr(), mask)
+        keep = [src_vals[i].item() for i in range(16) if mask >> i & 1]
+        assert dst[4:4 + len(keep)].tolist() == keep, (name, hex(mask))
+        assert (dst[:4] == 99).all() and (dst[4 + len(keep):] == 99).all(), (name, hex(mask))  # nothing else
