@@ -182,7 +182,8 @@ def _round(x):
 
 def _popcount(x):
     v = np.asarray(x)
-    bits = np.unpackbits(v.view(np.uint8).reshape(v.shape + (-1,)), axis=-1).sum(-1)
+    flat = np.ascontiguousarray(v.reshape(-1))   # 1-D: a 0-d array (a scalar local) cannot be viewed as bytes
+    bits = np.unpackbits(flat.view(np.uint8).reshape(v.size, -1), axis=-1).sum(-1).reshape(v.shape)
     return bits.astype(v.dtype)[()]
 
 

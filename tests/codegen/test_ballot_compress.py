@@ -207,3 +207,21 @@ def test_prelude_every_path(tmp_path, name, undef):
         keep = [src_vals[i].item() for i in range(16) if mask >> i & 1]
         assert dst[4:4 + len(keep)].tolist() == keep, (name, hex(mask))
         assert (dst[:4] == 99).all() and (dst[4 + len(keep):] == 99).all(), (name, hex(mask))  # nothing else
+
+
+def test_popcount_of_a_scalar_local():
+    # T.popcount of a scalar (a 0-d value in interp) as topk's keep counts a ballot word; c and interp agree
+    @T.prim_func
+    def pc(X: T.Tensor((8,), "uint32"), Y: T.Tensor((8,), "int32")):
+        with T.Kernel(1, threads=1) as _:
+            for i in T.serial(8):
+                m = X[i]
+                Y[i] = T.cast(T.popcount(m), "int32")
+
+    x = torch.tensor([0, 1, 0xFFFFFFFF, 0x80000000, 0x5A5A5A5A, 7, 1 << 20, 12345], dtype=torch.int64)
+    x = x.to(torch.uint32)
+    want = [bin(v).count("1") for v in x.tolist()]
+    for target in ("c", "interp"):
+        y = torch.zeros(8, dtype=torch.int32)
+        tegula.compile(pc, target=target)(x, y)
+        assert y.tolist() == want, target
