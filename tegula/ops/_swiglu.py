@@ -100,10 +100,14 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                     inv[i, g] = v_
                     eb[i, g] = e_
                 store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
-                q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
-                for i, g, k in T.Parallel(BM, GB, G):
-                    q[i, g, k] = y[i, g, k] * inv[i, g]
-                T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
+                if r0 + (BM - 1) < NT:  # whole rows: scale, narrow and store into Q in one pass
+                    for i, g, k in T.Parallel(BM, GB, G):
+                        Q[r0 + i, g * G + k] = T.cast(y[i, g, k] * inv[i, g], "float8_e4m3fn")
+                else:
+                    q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
+                    for i, g, k in T.Parallel(BM, GB, G):
+                        q[i, g, k] = y[i, g, k] * inv[i, g]
+                    T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
     return swiglu_forward
 
 
