@@ -116,26 +116,39 @@ def _macros(bits):
     @T.macro
     def keep(b, cnt, kth, need):
         """Keep, of the candidates [0, cnt), the keys above kth and the first ``need`` equal to it, in order, and
-        make kth the threshold: masks of the keys >= kth walked with T.clz as in the scan (the work follows the
-        kept keys, not the candidates), into tk/ti and back."""
+        make kth the threshold. The position of the need-th key equal to kth is found first, from one bit mask
+        per SUB candidates (a ballot) and their popcounts, and only the word holding it is walked; then one
+        loop keeps the keys above kth and those equal up to that position, into tk/ti and back: the form the c
+        target runs 16 keys at a time with compressing stores (about half the candidates are kept, where
+        walking the set bits of masks cost a branch and a mispredict per word)."""
         left = need
-        w = T.cast(0, "int32")
+        lim = T.cast(-1, "int32")
         for c in T.serial((cnt + CHUNK - 1) // CHUNK):
-            for s, j in T.Parallel(NSUB, SUB):
-                p = c * CHUNK + s * SUB + j
-                b.fb[s, j] = T.cast((b.ck[p] >= kth) & (p < cnt), "uint32") << T.cast(j, "uint32")
-            T.reduce_sum(b.fb, b.masks, dim=1)
-            for s in T.serial(NSUB):
-                m = b.masks[s]
-                while m != 0:
-                    p = c * CHUNK + s * SUB + 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                    m = m & (m - 1)
-                    kv = b.ck[p]
-                    if kv > kth or left > 0:
-                        left = left - T.cast(kv == kth, "int32")
-                        b.tk[w] = kv
-                        b.ti[w] = b.ci[p]
-                        w = w + 1
+            if left > 0:
+                for s, j in T.Parallel(NSUB, SUB):
+                    p = c * CHUNK + s * SUB + j
+                    b.fb[s, j] = T.cast((b.ck[p] == kth) & (p < cnt), "uint32") << T.cast(j, "uint32")
+                T.reduce_sum(b.fb, b.masks, dim=1)
+                for s in T.serial(NSUB):
+                    m = b.masks[s]
+                    pc = T.cast(T.popcount(m), "int32")
+                    if left > 0:
+                        if pc >= left:
+                            while left > 1:
+                                m = m & (m - 1)
+                                left = left - 1
+                            lim = c * CHUNK + s * SUB + 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                            left = 0
+                        else:
+                            left = left - pc
+        w = T.cast(0, "int32")
+        for p in T.serial(cnt):
+            kv = b.ck[p]
+            ix = b.ci[p]
+            if (kv > kth) | ((kv == kth) & (p <= lim)):
+                b.tk[w] = kv
+                b.ti[w] = ix
+                w = w + 1
         for i in T.Parallel(w):
             b.ck[i] = b.tk[i]
             b.ci[i] = b.ti[i]
