@@ -182,7 +182,8 @@ def test_per_block_cast(target, case):
 
 
 @pytest.mark.parametrize("round_sf,hidden,dtype", [(False, 576, torch.bfloat16), (True, 576, torch.bfloat16),
-                                                   (False, 200, torch.float32)])  # 200: a partly masked last row
+                                                   (False, 200, torch.float32),  # 200: a partly masked last row
+                                                   (True, 256, torch.float32)])
 def test_per_channel_cast(target, round_sf, hidden, dtype):
     x = randn(128 * (2 if target == "c" else 1), hidden if target == "c" else 130, dtype)
     q, s = quant.per_channel_cast(x, "e4m3", 128, round_sf)
