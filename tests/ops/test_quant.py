@@ -163,6 +163,7 @@ PER_BLOCK = [  # (tokens, hidden, dtype, fmt, block, scales)
     (300, 2048, torch.float32, "e2m1", (32, 32), "ue8m0"),
     (257, 576, torch.bfloat16, "e4m3", (32, 128), "colmajor"),
     (70, 200, torch.float32, "e2m1", (32, 32), "plain"),  # a partial last group and a masked last vector
+    (300, 1024, torch.bfloat16, "e4m3", (128, 128), "plain"),  # whole bands cast in place, and a partial one
 ]
 
 
