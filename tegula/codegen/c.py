@@ -216,20 +216,23 @@ class CEmitter(CFamilyEmitter):
         acc, op, cond, skip = plan
         ext = int(s.extent.value)
         v, sel = self.nm(s.var), self.fresh("tg_sel")
+        # lanes as wide as the compared values where they are 16-bit (one vector compare per 32 of them)
+        w16 = isinstance(cond, E.BinOp) and cond.op in ("<", "<=", ">", ">=", "==", "!=") and cond.a.dtype.bits == 16
+        lane_t, mask_fn = ("int16_t", "tg_mask16_16") if w16 else ("int32_t", "tg_mask16")
         self.w("{")
         self.ind += 1
-        self.w(f"int32_t {sel}[{ext}] __attribute__((aligned(64)));")
+        self.w(f"{lane_t} {sel}[{ext}] __attribute__((aligned(64)));")
         self.w("#pragma omp simd")
         self.w(f"for (int32_t {v} = 0; {v} < {ext}; ++{v}) {{")
         self.ind += 1
         for t in _flat([s.body]):
             if not any(t is x for x in skip):
                 self.stmt(t)
-        self.w(f"{sel}[{v}] = -(int32_t)({self.ex(cond)});")
+        self.w(f"{sel}[{v}] = -({lane_t})({self.ex(cond)});")
         self.ind -= 1
         self.w("}")
         ct = reg_type(acc.dtype)
-        bits = " | ".join(f"(({ct})tg_mask16({sel} + {q}) << {q})" for q in range(0, ext, 16))
+        bits = " | ".join(f"(({ct}){mask_fn}({sel} + {q}) << {q})" for q in range(0, ext, 16))
         self.w(f"{self.nm(acc)} = {self.nm(acc)} {'+' if op == '+' else '|'} ({bits});")
         self.ind -= 1
         self.w("}")

@@ -226,10 +226,17 @@ def _macros(bits):
         if b.ext[0] > thr:
             # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits T.clz
             # walks
+            # 16-bit keys are compared in their own width (twice the lanes per vector): key > thr is
+            # key >= thr + 1, clamped to the keys' range (thr < 32767 here: some key beats it)
+            thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t) if bits == 16 else thr
+            narrow = raw_src and bits == 16   # the walk then takes each survivor's key from xb itself
             for s, j in T.Parallel(NSUB, SUB):
-                kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
-                b.kk[s * SUB + j] = kv
-                b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
+                if narrow:
+                    b.fb[s, j] = T.cast(key_raw(xb[off + s * SUB + j]) >= thr_raw, "uint32") << T.cast(j, "uint32")
+                else:
+                    kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
+                    b.kk[s * SUB + j] = kv
+                    b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
             T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
             cnt = b.st[0]
             top = b.st[2]
@@ -240,7 +247,7 @@ def _macros(bits):
                     # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
                     j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
                     m = m & (m - 1)
-                    kv = b.kk[s * SUB + j]
+                    kv = key_of(xb[off + s * SUB + j]) if narrow else b.kk[s * SUB + j]
                     b.ck[cnt] = kv
                     b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
                     cnt = cnt + 1

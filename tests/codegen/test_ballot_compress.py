@@ -22,18 +22,18 @@ PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen
 CC = os.environ.get("TEGULA_CC", "cc")
 
 
-def ballot_kernel(rows, width, udtype, op="sum"):
+def ballot_kernel(rows, width, udtype, op="sum", xdtype="int32"):
     """M[r] = bit j set where X[r, j] > t (a reduce_sum, or with op="or" a serial loop with |)."""
     @T.prim_func
-    def ballot(X: T.Tensor((rows, width), "int32"), M: T.Tensor((rows,), udtype), t: T.int32):
+    def ballot(X: T.Tensor((rows, width), xdtype), M: T.Tensor((rows,), udtype), t: T.int32):
         with T.Kernel(1, threads=1) as _:
-            x = T.alloc_fragment((rows, width), "int32")
+            x = T.alloc_fragment((rows, width), xdtype)
             fb = T.alloc_fragment((rows, width), udtype)
             m = T.alloc_fragment((rows,), udtype)
             T.copy(X, x)
             if op == "sum":
                 for r, j in T.Parallel(rows, width):
-                    fb[r, j] = T.cast(x[r, j] > t, udtype) << T.cast(j, udtype)
+                    fb[r, j] = T.cast(x[r, j] > T.cast(t, xdtype), udtype) << T.cast(j, udtype)
                 T.reduce_sum(fb, m, dim=1)
             else:
                 for r in T.serial(rows):
@@ -79,18 +79,23 @@ def _run(kernel, args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args], kernel(*args)
 
 
-@pytest.mark.parametrize("width,udtype,op", [(32, "uint32", "sum"), (16, "uint32", "sum"), (64, "uint64", "sum"),
-                                              (48, "uint64", "or"), (32, "uint32", "or"), (20, "uint32", "sum")])
-def test_ballot_equals_interp(width, udtype, op):
-    f = ballot_kernel(5, width, udtype, op)
+@pytest.mark.parametrize("width,udtype,op,xdtype", [
+    (32, "uint32", "sum", "int32"), (16, "uint32", "sum", "int32"), (64, "uint64", "sum", "int32"),
+    (48, "uint64", "or", "int32"), (32, "uint32", "or", "int32"), (20, "uint32", "sum", "int32"),
+    (32, "uint32", "sum", "int16"), (64, "uint64", "sum", "int16")])
+def test_ballot_equals_interp(width, udtype, op, xdtype):
+    f = ballot_kernel(5, width, udtype, op, xdtype)
     kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
     src = kc.get_kernel_source()
-    # 20 lanes, or a serial loop (its iterations are not known independent): not the form, emitted as written
-    assert ("tg_mask16(" in src) == (width % 16 == 0 and op == "sum")
+    # 20 lanes, or a serial loop (its iterations are not known independent): not the form, emitted as written;
+    # a compare of 16-bit values gets 16-bit lanes
+    fn = "tg_mask16_16(" if xdtype == "int16" else "tg_mask16("
+    assert (fn in src) == (width % 16 == 0 and op == "sum")
     tdt, sdt = {"uint32": (torch.uint32, torch.int32), "uint64": (torch.uint64, torch.int64)}[udtype]
     torch.manual_seed(width)
     for t in (-10**6, 0, 10**6, 37):   # none, about half, all, a few set
-        x = torch.randint(-100, 100, (5, width), dtype=torch.int32)
+        t = max(min(t, 30000), -30000) if xdtype == "int16" else t
+        x = torch.randint(-100, 100, (5, width), dtype=getattr(torch, xdtype))
         x[1] = 1000   # a row with every bit set (the top bit of the word included)
         x[2] = -1000  # and one with none
         outs = []
@@ -182,6 +187,7 @@ def _paths():
 DRIVER = r"""
 #include "tegula_compress.h"
 uint32_t mask16(const int32_t *m) { return tg_mask16(m); }
+uint32_t mask16_16(const int16_t *m) { return tg_mask16_16(m); }
 void compress16(void *d, const void *s, uint32_t mask) { tg_compress16_32(d, s, mask); }
 """
 
@@ -196,12 +202,15 @@ def test_prelude_every_path(tmp_path, name, undef):
     lib = ctypes.CDLL(str(so))
     lib.mask16.argtypes = [ctypes.c_void_p]
     lib.mask16.restype = ctypes.c_uint32
+    lib.mask16_16.argtypes = [ctypes.c_void_p]
+    lib.mask16_16.restype = ctypes.c_uint32
     lib.compress16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
     g = torch.Generator().manual_seed(1)
     src_vals = torch.randint(-2**31, 2**31 - 1, (16,), dtype=torch.int32, generator=g)
     for mask in (0, 1, 0x8000, 0xFFFF, 0x00FF, 0xFF00, 0x5A5A, 0x0180, 0x7FFE, 12345):
         lanes = torch.tensor([-(mask >> i & 1) * (i + 3) for i in range(16)], dtype=torch.int32)  # any nonzero
         assert lib.mask16(lanes.data_ptr()) == mask
+        assert lib.mask16_16(lanes.to(torch.int16).data_ptr()) == mask
         dst = torch.full((16 + 8,), 99, dtype=torch.int32)
         lib.compress16(dst.data_ptr() + 4 * 4, src_vals.data_ptr(), mask)
         keep = [src_vals[i].item() for i in range(16) if mask >> i & 1]

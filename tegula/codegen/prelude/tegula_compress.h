@@ -34,6 +34,24 @@ static inline uint32_t tg_mask16(const int32_t *m) {
 #endif
 }
 
+/* bit l of the result is set when m[l] != 0, for 16 lanes of 16 bits (conditions on 16-bit operands: their vector
+ * compare gives 16-bit lanes, twice as many per register as 32-bit ones) */
+static inline uint32_t tg_mask16_16(const int16_t *m) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m256i v = _mm256_loadu_si256((const __m256i *)m);
+    return (uint32_t)_mm256_test_epi16_mask(v, v);
+#elif defined(__AVX2__) && defined(__BMI2__)
+    __m256i v = _mm256_loadu_si256((const __m256i *)m);
+    __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));   /* lanes in order */
+    return (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(b, _mm_setzero_si128())) ^ 0xFFFFu;
+#else
+    uint32_t r = 0;
+    for (int l = 0; l < 16; ++l)
+        r |= (uint32_t)(m[l] != 0) << l;
+    return r;
+#endif
+}
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__BMI2__)
 /* the set lanes of the 8 in src (bits of mask8) to the front of dst, then their count */
 static inline int tg__compress8_32(int32_t *dst, const int32_t *src, uint32_t mask8) {
