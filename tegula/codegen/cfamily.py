@@ -323,6 +323,10 @@ class CFamilyEmitter:
         self.uses_gemm.add(name)
         m, n = tile2(c)
         k = tile2(a)[0 if s.trans_a else 1]
+        if s.kblock:  # block-scaled (passes/fuse_gemm_scale): A not transposed, B transposed, C accumulated
+            self.w(f"tg_gemm_{name}_bscaled({m}, {n}, {k}, {self.operand(a)}, {self.operand(b)}, {self.operand(c)}, "
+                   f"{self.operand(s.sa)}, {self.operand(s.sb)}, {s.kblock});")
+            return
         self.w(f"tg_gemm_{name}({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, "
                f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
 

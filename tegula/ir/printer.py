@@ -121,8 +121,9 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
         return [f"{p}fill({rg(s.dst)}, {ex(s.value)})"]
     if isinstance(s, (S.Gemm, S.ExternGemm)):
         name = "gemm" if isinstance(s, S.Gemm) else "extern_gemm"
+        scaled = f", sa={rg(s.sa)}, sb={rg(s.sb)}, kblock={s.kblock}" if getattr(s, "kblock", 0) else ""
         return [f"{p}{name}({rg(s.a)}, {rg(s.b)}, {rg(s.c)}, trans_a={s.trans_a}, trans_b={s.trans_b}, "
-                f"clear={s.clear})"]
+                f"clear={s.clear}{scaled})"]
     if isinstance(s, S.Reduce):
         return [f"{p}reduce_{s.kind}({rg(s.src)}, {rg(s.dst)}, dim={s.dim}, clear={s.clear})"]
     if isinstance(s, S.Atomic):

@@ -150,7 +150,10 @@ class AtomicElem(Stmt):
 
 @dataclass(eq=False)
 class ExternGemm(Stmt):
-    """A tile GEMM lowered to a call of the target's prelude routine; operands are regions."""
+    """A tile GEMM lowered to a call of the target's prelude routine; operands are regions. With ``kblock`` > 0
+    (passes/fuse_gemm_scale, c target) it is block-scaled: C += sum over the blocks t of kblock elements of K of
+    sa[i, t] * sb[t, j] * (A[i, block t] . B[j, block t]); sa (rows of C x blocks) and sb (blocks x columns of C)
+    are fp32 regions."""
     a: Region
     b: Region
     c: Region
@@ -158,6 +161,9 @@ class ExternGemm(Stmt):
     trans_b: bool
     clear: bool
     loc: tuple | None = None
+    sa: Region | None = None
+    sb: Region | None = None
+    kblock: int = 0
 
 
 TILE_OPS = (Copy, Fill, Gemm, Reduce, Atomic)

@@ -61,8 +61,8 @@ def mk_gemm(kind: str, N: int, K: int, groups: int, dtype: str, trans_a: bool, t
             B_s = T.alloc_shared(b_tile, dtype)
             acc = T.alloc_fragment((block_m, block_n), "float32")
             blk = T.alloc_fragment((block_m, block_n), "float32")
-            sa = T.alloc_fragment((block_m,), "float32")
-            sb = T.alloc_fragment((block_n,), "float32")
+            sa = T.alloc_fragment((block_m, sub), "float32")
+            sb = T.alloc_fragment((sub, block_n), "float32")
             rows = T.alloc_fragment((block_m,), "int32")
             top = T.alloc_fragment((1,), "int32")
             live = T.alloc_var("int32")
@@ -95,9 +95,21 @@ def mk_gemm(kind: str, N: int, K: int, groups: int, dtype: str, trans_a: bool, t
                         T.copy(B[g, col0:col0 + block_n, c * chunk_k:c * chunk_k + chunk_k], B_s)
                     else:
                         T.copy(B[g, c * chunk_k:c * chunk_k + chunk_k, col0:col0 + block_n], B_s)
+                    if fp8:
+                        # the chunk's scales first: the loop below is then the plain pattern "gemm of one block of
+                        # K into a cleared blk, acc += blk * (sa[i, s] * sb[s, j])" (fuse_gemm_scale on the c target)
+                        for i, t in T.Parallel(block_m, sub):
+                            if masked:
+                                sa[i, t] = T.cast(SA[g, T.min(row0 + i, m - 1), c * sub + t], "float32")
+                            else:
+                                sa[i, t] = T.cast(SA[T.min(row0 + i, m - 1), c * sub + t], "float32")
+                        for t, j in T.Parallel(sub, block_n):
+                            if per_row_sfb:
+                                sb[t, j] = T.cast(SB[g, T.min(col0 + j, N - 1), c * sub + t], "float32")
+                            else:
+                                sb[t, j] = T.cast(SB[g, T.min(col0 + j, N - 1) // SF_K, c * sub + t], "float32")
                     for s in T.serial(sub):
                         if fp8:
-                            kb = c * sub + s
                             if trans_a:
                                 if trans_b:
                                     T.gemm(A_s[s * sub_k:s * sub_k + sub_k, 0:block_m],
@@ -115,17 +127,8 @@ def mk_gemm(kind: str, N: int, K: int, groups: int, dtype: str, trans_a: bool, t
                                 else:
                                     T.gemm(A_s[0:block_m, s * sub_k:s * sub_k + sub_k],
                                            B_s[s * sub_k:s * sub_k + sub_k, 0:block_n], blk, clear_accum=True)
-                            if masked:
-                                T.copy(SA[g, row0:row0 + block_m, kb], sa)
-                            else:
-                                T.copy(SA[row0:row0 + block_m, kb], sa)
-                            if per_row_sfb:
-                                T.copy(SB[g, col0:col0 + block_n, kb], sb)
-                            else:
-                                for j in T.Parallel(block_n):
-                                    sb[j] = T.cast(SB[g, T.min(col0 + j, N - 1) // SF_K, kb], "float32")
                             for i, j in T.Parallel(block_m, block_n):
-                                acc[i, j] += blk[i, j] * (sa[i] * sb[j])
+                                acc[i, j] += blk[i, j] * (sa[i, s] * sb[s, j])
                         else:
                             T.gemm(A_s, B_s, acc, transpose_A=trans_a, transpose_B=trans_b)
                 if masked:

@@ -440,18 +440,25 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
             r0, c0 = by * BM, bx * W
             xf = T.alloc_fragment((BM, W), "float32")
             xs = T.alloc_fragment((BM, NB), "float32")
-            load_tile(Q, xf, r0, c0, in_fmt, BM, W)
-            if bc == 0:
-                for i, c in T.Parallel(BM, NB):
-                    xs[i, c] = sf_from_word(S[T.min(r0 + i, NT - 1) // bt, 0], 0, in_packed)
-                for i, j in T.Parallel(BM, W):
-                    xf[i, j] = xf[i, j] * xs[i, 0]
-            else:
+            if in_fmt == "e4m3" and bc != 0 and r0 + (BM - 1) < NT and c0 + (W - 1) < QC and c0 + (W - 1) < OC:
+                # a whole tile: read, scale, round and store in one pass (no float32 tile)
                 load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
-                xb = T.reshape(xf, (BM, NB, bc))
                 for i, c, k in T.Parallel(BM, NB, bc):
-                    xb[i, c, k] = xb[i, c, k] * xs[i, c]
-            T.copy(xf, Out[r0, c0])
+                    Out[r0 + i, c0 + c * bc + k] = T.cast(T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c],
+                                                          out_dtype)
+            else:
+                load_tile(Q, xf, r0, c0, in_fmt, BM, W)
+                if bc == 0:
+                    for i, c in T.Parallel(BM, NB):
+                        xs[i, c] = sf_from_word(S[T.min(r0 + i, NT - 1) // bt, 0], 0, in_packed)
+                    for i, j in T.Parallel(BM, W):
+                        xf[i, j] = xf[i, j] * xs[i, 0]
+                else:
+                    load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
+                    xb = T.reshape(xf, (BM, NB, bc))
+                    for i, c, k in T.Parallel(BM, NB, bc):
+                        xb[i, c, k] = xb[i, c, k] * xs[i, c]
+                T.copy(xf, Out[r0, c0])
     return cast_back
 
 

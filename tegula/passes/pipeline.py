@@ -5,6 +5,7 @@ from tegula.passes import (
     check_program,
     distribute_threads,
     elide_staging,
+    fuse_gemm_scale,
     guard_global_access,
     infer_layouts,
     insert_barriers,
@@ -16,7 +17,7 @@ from tegula.passes import (
 PIPELINES = {
     "interp": [check_program.run, guard_global_access.run],
     "cpu": [check_program.run, guard_global_access.run, widen_gemm_k.run, prefetch_pipelined.run, elide_staging.run,
-            lower_tile_ops.run],
+            fuse_gemm_scale.run, lower_tile_ops.run],
     "simt": [check_program.run, guard_global_access.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run,
              insert_barriers.run],
 }

@@ -35,6 +35,17 @@ def reads_b_in_place(s: S.Gemm) -> bool:
     return m <= 8 or (s.a.dtype.name == "bfloat16" and m <= 16 and k >= 512)
 
 
+def scales_in_lanes(s: S.Gemm, k_total: int) -> bool:
+    """Whether the c target's prelude computes a block-scaled product (tg_gemm_<dt>_bscaled) of ``s``'s tile shape,
+    K = ``k_total`` in blocks of ``s``'s K, by scaling each block's dot products in their vector lanes
+    (tg__gemm_bscaled's fused path: the dot path, 2..8 rows of A, K >= 2048, blocks a multiple of 64 up to 256)
+    rather than as a gemm per block, which one T.gemm per block already is (passes/fuse_gemm_scale)."""
+    if not reads_b_in_place(s):
+        return False
+    m, kw = tile2(s.c)[0], tile2(s.a)[1]
+    return 2 <= m <= 8 and k_total >= 2048 and kw % 64 == 0 and kw <= 256
+
+
 def tile2(rg) -> tuple:
     """(rows, columns) of a gemm operand's 2-D tile: its two non-unit extents, else its last two kept dims (the
     emitters size the prelude call by it)."""

@@ -49,6 +49,9 @@ CONSTANT_CALLS = [
     ("bf16", 1, 64, 7168, 0, 1),
     ("bf16", 16, 33, 1100, 0, 1),
 ]
+# (M, N, K) of e4m3 block-scaled calls compiled with constant arguments, as the fp8 decode kernels make them
+SCALED_CONSTANT = [(1, 16, 7168), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536), (4, 64, 2048), (8, 16, 256),
+                   (3, 33, 2176)]
 SHAPES = [
     (1, 128, 128),
     (17, 33, 7),
@@ -76,6 +79,19 @@ def _driver_source() -> str:
         " int ldc, int clear) { tg_gemm_f32_next(M, N, K, A, lda, tA, B, ldb, tB, C, ldc, clear,"
         " (tg_gemm_next){A, 4L * lda, tA ? K : M, 4 * (tA ? M : K)}, (tg_gemm_next){B, 4L * ldb, 8, 32}); }"
     )
+    for dt in ("f32", "bf16", "f8e4m3", "f8e5m2"):  # the block-scaled product (fuse_gemm_scale's calls)
+        tin = DTYPES[dt][0]
+        lines.append(
+            f"void s_{dt}(int M, int N, int K, const {tin} *A, int lda, const {tin} *B, int ldb, float *C, int ldc,"
+            f" const float *sa, int ldsa, const float *sb, int ldsb, int kb)"
+            f" {{ tg_gemm_{dt}_bscaled(M, N, K, A, lda, B, ldb, C, ldc, sa, ldsa, sb, ldsb, kb); }}"
+        )
+    for m, n, k in SCALED_CONSTANT:
+        lines.append(
+            f"void sc_{m}x{n}x{k}(const tg_f8e4m3 *A, const tg_f8e4m3 *B, float *C, const float *sa, const float *sb)"
+            f" {{ tg_gemm_f8e4m3_bscaled({m}, {n}, {k}, A, {k + PAD_A}, B, {k + PAD_B}, C, {n + PAD_C}, sa,"
+            f" {k // 128 + 1}, sb, {n + 1}, 128); }}"
+        )
     for dt, m, n, k, ta, tb in CONSTANT_CALLS:
         tin, tc = DTYPES[dt]
         lda, ldb = (m if ta else k) + PAD_A, (k if tb else n) + PAD_B
@@ -275,3 +291,63 @@ def test_gemm_next_prefetches_without_changing_the_result(lib):
     rng = np.random.default_rng(2)
     for m, n, k in [(128, 128, 32), (17, 33, 7)]:
         _check(lib.n_f32, "f32", m, n, k, 0, 0, 0, rng)
+
+
+def _check_scaled(lib, dt, m, n, k, kb, rng, constant=False):
+    """tg_gemm_<dt>_bscaled: C += sum_t sa[i, t] sb[t, j] (A_i . B_j over block t), against float64."""
+    a, a64 = _operand(dt, m, k, PAD_A, rng)
+    b, b64 = _operand(dt, n, k, PAD_B, rng)
+    nb = k // kb
+    sa = np.exp2(rng.integers(-6, 7, size=(m, nb + 1))).astype(np.float32) * rng.uniform(0.5, 1, (m, nb + 1)).astype(
+        np.float32)
+    sb = np.exp2(rng.integers(-6, 7, size=(nb, n + 1))).astype(np.float32)
+    c = rng.standard_normal((m, n + PAD_C)).astype(np.float32)
+    c0 = c.copy()
+    ref = c0[:, :n].astype(np.float64)
+    scale = np.abs(ref)
+    for t in range(nb):
+        s = (sa[:, t:t + 1] * sb[t:t + 1, :n]).astype(np.float64)
+        blk = a64[:, t * kb:(t + 1) * kb] @ b64[:, t * kb:(t + 1) * kb].T
+        ref = ref + blk * s
+        scale = scale + (np.abs(a64[:, t * kb:(t + 1) * kb]) @ np.abs(b64[:, t * kb:(t + 1) * kb]).T) * np.abs(s)
+    ptr = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c, sa, sb)]
+    if constant:
+        getattr(lib, f"sc_{m}x{n}x{k}")(ptr[0], ptr[1], ptr[2], ptr[3], ptr[4])
+    else:
+        getattr(lib, f"s_{dt}")(m, n, k, ptr[0], a.shape[1], ptr[1], b.shape[1], ptr[2], c.shape[1], ptr[3],
+                                sa.shape[1], ptr[4], sb.shape[1], kb)
+    where = f"{dt} {m}x{n}x{k} kb={kb}"
+    np.testing.assert_array_equal(c[:, n:], c0[:, n:], err_msg=f"{where}: wrote past the row")
+    bad = np.abs(c[:, :n] - ref) > 1e-5 * (k + 1) * scale + 1e-30
+    assert not bad.any(), f"{where}: {bad.sum()} wrong, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f8e4m3", "f8e5m2"])
+def test_gemm_block_scaled_matches_numpy(lib, dt):
+    rng = np.random.default_rng(7)
+    for m, n, k, kb in [(1, 16, 256, 128), (2, 5, 128, 128), (3, 33, 2176, 128), (4, 16, 1152, 128),
+                        (4, 64, 2048, 128), (5, 17, 2048, 64), (8, 40, 2048, 128), (4, 9, 300, 100),
+                        (2, 70, 2048, 256), (6, 20, 4096, 128)]:
+        _check_scaled(lib, dt, m, n, k, kb, rng)
+
+
+@pytest.mark.parametrize("shape", SCALED_CONSTANT, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_block_scaled_constant_arguments(lib, shape):
+    _check_scaled(lib, "f8e4m3", *shape, 128, np.random.default_rng(8), constant=True)
+
+
+def test_gemm_block_scaled_is_deterministic(lib):
+    rng = np.random.default_rng(9)
+    m, n, k = 4, 24, 2048
+    a, _ = _operand("f8e4m3", m, k, PAD_A, rng)
+    b, _ = _operand("f8e4m3", n, k, PAD_B, rng)
+    sa = rng.uniform(0.1, 2, (m, 17)).astype(np.float32)
+    sb = rng.uniform(0.1, 2, (16, n + 1)).astype(np.float32)
+    outs = []
+    for _ in range(3):
+        c = np.zeros((m, n + PAD_C), np.float32)
+        ptr = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c, sa, sb)]
+        lib.s_f8e4m3(m, n, k, ptr[0], a.shape[1], ptr[1], b.shape[1], ptr[2], c.shape[1], ptr[3], 17, ptr[4], n + 1,
+                     128)
+        outs.append(c)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])

@@ -29,6 +29,11 @@
  * Without VNNI, int8 products are exact in fp32 and a chunk of K <= 128 sums below 2^24. fp16 is
  * converted to fp32 (vcvtph2ps) on every x86 path: AVX512-FP16 has no fp16 product summed in fp32.
  *
+ *   tg_gemm_<dt>_bscaled(M, N, K, A, lda, B, ldb, C, ldc, sa, ldsa, sb, ldsb, kb)   (float C only)
+ *
+ * is DeepGEMM's block-scaled product, B transposed: C += sum over the blocks t of kb elements of K of
+ * sa[i * ldsa + t] * sb[t * ldsb + j] * (A[i, block t] . B[j, block t]) (passes/fuse_gemm_scale makes the calls).
+ *
  *   tg_gemm_<dt>_next(..., clear, tg_gemm_next a_next, tg_gemm_next b_next)
  *
  * is the same product, and meanwhile prefetches two tiles the caller reads next (a pipelined loop's
@@ -429,6 +434,54 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
     }
 }
 
+/* tg_gemm_<dt>_bscaled: C[M,N] += sum over the blocks t of kb elements of K (K a multiple of kb) of
+ * sa[i * ldsa + t] * sb[t * ldsb + j] * (A[i, block t] . B[j, block t]), B transposed (N x K) and A not: DeepGEMM's
+ * block-scaled product, the scale of each block applied in fp32 to that block's sum. On the dot-product path
+ * (tg__dot_rows_scaled) each block's sums stay in vector lanes and are scaled there, summed across lanes once per
+ * ~1024 of K instead of once per block; elsewhere each block is a tg__gemm into a buffer, then scaled and added. */
+TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void *A, int lda, const void *B, int ldb,
+                                        float *C, int ldc, const float *sa, int ldsa, const float *sb, int ldsb, int kb)
+{
+    const int es = tg__esize(dt);
+    if (K <= 0 || kb <= 0)
+        return;
+#if TG__HAVE_BF16_PAIRS
+    /* fused for 2-8 rows and K >= 2048 (e4m3, 1 thread, weights from DRAM: 4 x 2112 x 7168 1.76-2.2 -> 1.36-1.6 ms);
+     * one row of A, or K = 1536, measured 5-20% slower fused than a gemm per block, which they keep */
+    if (tg__fmt(dt) == TG__BF16 && M >= 2 && K >= 2048 && tg__use_dot(dt, M, K) && kb % 64 == 0 &&
+        kb <= TG__SCALED_KB) {
+        int i = 0;
+#define TG__SROWS(R) tg__dot_rows_scaled(dt, R, N, K, kb, (const char *)A + (long)i * lda * es, lda, (const char *)B, \
+                                         (long)ldb * es, C + (long)i * ldc, ldc, sa + (long)i * ldsa, ldsa, sb, ldsb)
+        for (; i + 4 <= M; i += 4)
+            TG__SROWS(4);
+        if (M - i >= 2) {
+            TG__SROWS(2);
+            i += 2;
+        }
+        if (M - i)
+            TG__SROWS(1);
+#undef TG__SROWS
+        return;
+    }
+#endif
+    enum { BM = 16, BN = 64 };
+    float tmp[BM * BN];
+    for (int i0 = 0; i0 < M; i0 += BM)
+        for (int j0 = 0; j0 < N; j0 += BN) {
+            const int mc = TG__MIN(BM, M - i0), nc = TG__MIN(BN, N - j0);
+            for (int t = 0; t < K / kb; t++) {
+                tg__gemm(dt, mc, nc, kb, (const char *)A + ((long)i0 * lda + (long)t * kb) * es, lda, 0,
+                         (const char *)B + ((long)j0 * ldb + (long)t * kb) * es, ldb, 1, tmp, BN, 1, NULL);
+                for (int i = 0; i < mc; i++) {
+                    const float s = sa[(long)(i0 + i) * ldsa + t];
+                    for (int j = 0; j < nc; j++)
+                        C[(long)(i0 + i) * ldc + j0 + j] += tmp[i * BN + j] * (s * sb[(long)t * ldsb + j0 + j]);
+                }
+            }
+        }
+}
+
 /* tg_gemm_<dt>_next: the same, and `next` (2 tiles; p == NULL for none) is prefetched meanwhile */
 #define TG__GEMM_DEFINE(NAME, DT, TIN, TC)                                                              \
     static inline void tg_gemm_##NAME(int M, int N, int K, const TIN *A, int lda, int transA, const TIN *B, \
@@ -443,11 +496,24 @@ TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int 
         tg_gemm_next next[2] = {a_next, b_next};                                                        \
         tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, next);                     \
     }
+/* tg_gemm_<dt>_bscaled(M, N, K, A, lda, B, ldb, C, ldc, sa, ldsa, sb, ldsb, kb): float C only */
+#define TG__GEMM_BSCALED(NAME, DT, TIN)                                                                 \
+    static inline void tg_gemm_##NAME##_bscaled(int M, int N, int K, const TIN *A, int lda, const TIN *B, int ldb, \
+                                                float *C, int ldc, const float *sa, int ldsa, const float *sb, \
+                                                int ldsb, int kb)                                       \
+    {                                                                                                   \
+        tg__gemm_bscaled(DT, M, N, K, A, lda, B, ldb, C, ldc, sa, ldsa, sb, ldsb, kb);                  \
+    }
 TG__GEMM_DEFINE(f32, TG__DT_F32, float, float)
 TG__GEMM_DEFINE(bf16, TG__DT_BF16, tg_bf16, float)
 TG__GEMM_DEFINE(f16, TG__DT_F16, tg_f16, float)
 TG__GEMM_DEFINE(f8e4m3, TG__DT_E4M3, tg_f8e4m3, float)
 TG__GEMM_DEFINE(f8e5m2, TG__DT_E5M2, tg_f8e5m2, float)
 TG__GEMM_DEFINE(i8, TG__DT_I8, int8_t, int32_t)
+TG__GEMM_BSCALED(f32, TG__DT_F32, float)
+TG__GEMM_BSCALED(bf16, TG__DT_BF16, tg_bf16)
+TG__GEMM_BSCALED(f16, TG__DT_F16, tg_f16)
+TG__GEMM_BSCALED(f8e4m3, TG__DT_E4M3, tg_f8e4m3)
+TG__GEMM_BSCALED(f8e5m2, TG__DT_E5M2, tg_f8e5m2)
 
 #endif /* TEGULA_GEMM_H */
