@@ -13,7 +13,9 @@ they lie: K_s and Q^T, then S^T and V_s; row-major scores had K_s transposed int
 softmax reduces over keys with vertical vector operations, one query per lane (row-major scores end each row
 with a horizontal reduction). s 2048 h 16 d 128 causal, 1 thread, CPU time, alternated A/B in one process,
 medians of 9 / 15: 212.6 -> 208.3 ms, 214.0 -> 209.6 ms. bf16 keeps row-major scores (its gemms pack bf16
-pairs either way, and P is rounded to bf16 for P V).
+pairs either way, and P is rounded to bf16 for P V). With ``causal``, a key tile that lies wholly past the
+diagonal of the first half of the query tile (the last of BM = 2 BN) is computed for the second half only, in
+both gemms (its first half is masked: P = 0): 205.7 -> 202.5 ms.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
     neg_inf = -T.infinity("float32")
     key_major = dtype == "float32"   # see the module docstring
     QB = 16 if BM % 16 == 0 else 1   # queries per band of the Q^T load
+    HB = BM // 2   # causal: the last key tiles of a query tile may lie past the diagonal of its first HB queries
 
     @T.macro
     def scores(Q_s, K_s, S):
@@ -104,7 +107,13 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
                         scores(Q_s, K_s, S)
                     else:
                         load_kv(K, V, K_s, V_s, k0, n0, lk, kvh, False)
-                        scores(Q_s, K_s, S)
+                        if key_major and causal:   # a tile past the first half's diagonal: scores of the second
+                            if m0 + HB - 1 + shift < n0:
+                                T.gemm(K_s, Q_s[:, HB:BM], S[:, HB:BM], clear_accum=True)
+                            else:
+                                scores(Q_s, K_s, S)
+                        else:
+                            scores(Q_s, K_s, S)
                         if key_major:
                             for j, i in T.Parallel(BN, BM):
                                 ok = n0 + j < lk and (m0 + i + shift >= n0 + j if causal else True)
@@ -142,7 +151,12 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
                     if any_grew[0] > 0.0:   # the output rescales only when some row's maximum grew
                         for i, j in T.Parallel(BM, dv):
                             acc[i, j] *= alpha[i]
-                    if key_major:
+                    if key_major and causal:
+                        if m0 + HB - 1 + shift < n0:   # the first half's P is 0 here (masked: its S is -inf)
+                            T.gemm(S[:, HB:BM], V_s, acc[HB:BM, :], transpose_A=True)
+                        else:
+                            T.gemm(S, V_s, acc, transpose_A=True)
+                    elif key_major:
                         T.gemm(S, V_s, acc, transpose_A=True)
                     else:
                         T.copy(S, P_s)
