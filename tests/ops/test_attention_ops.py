@@ -392,6 +392,22 @@ def test_flash_attn_varlen(dtype, h_q, h_kv, d, dv, causal):
         assert torch.equal(packed, out)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_growing_scores(causal):
+    """Scores that grow along the keys by many log2 units per tile: the float32 kernel's reference maxima move
+    (and its output is rescaled) at most tiles, in both directions of its lazy threshold."""
+    lq, lk = [300, 70], [300, 130]
+    cq, ck = torch.tensor([0] + lq).cumsum(0).int(), torch.tensor([0] + lk).cumsum(0).int()
+    q = torch.randn(int(cq[-1]), 2, 64)
+    k = torch.randn(int(ck[-1]), 2, 64) * torch.linspace(0.05, 6.0, int(ck[-1]))[:, None, None]
+    v = torch.randn(int(ck[-1]), 2, 64)
+    out, lse = A.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), softmax_scale=1.0, causal=causal)
+    ro, rl = ref_varlen(q, k, v, cq, ck, causal, 1.0)
+    atol, rtol, cos = VARLEN_TOL[torch.float32]
+    check("out", out, ro, atol, rtol, cos)
+    check("lse", lse, rl, 1e-5, 1e-5)
+
+
 def test_flash_attn_varlen_interp(interp):
     lq, lk = [3, 20, 0], [5, 17, 2]
     cq, ck = torch.tensor([0] + lq).cumsum(0).int(), torch.tensor([0] + lk).cumsum(0).int()
