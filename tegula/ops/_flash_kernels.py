@@ -82,7 +82,7 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
             Q_s = T.alloc_shared((d, BM) if key_major else (BM, d), dtype)
             S = T.alloc_fragment((BN, BM) if key_major else (BM, BN), "float32")
             P_s = T.alloc_shared((BM, BN), dtype)
-            Q_r = T.alloc_shared((BM, d) if key_major else (1, 1), dtype)
+            Q_r = T.alloc_shared((BM, d), dtype) if key_major else None   # the query rows, for Q^T
 
             q0 = CuQ[bz]
             lq = CuQ[bz + 1] - q0
