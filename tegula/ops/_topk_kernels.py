@@ -65,7 +65,7 @@ def _codec(bits):
 
 def _state(raw):
     """The per-block buffers (``_init`` them); st = (candidate count, threshold, largest and smallest candidate
-    key)."""
+    key, whether the last chunk scanned had survivors)."""
     b = SimpleNamespace(
         ck=T.alloc_shared((CAP + PAD,), "int32"),   # candidate keys
         ci=T.alloc_shared((CAP + PAD,), "int32"),   # candidate indices
@@ -81,7 +81,7 @@ def _state(raw):
         lcnt=T.alloc_fragment((CHUNK,), raw),       # counts per lane
         mg=T.alloc_fragment((CHUNK,), raw),         # the largest raw magnitude per lane (NaN check)
         ext=T.alloc_fragment((2,), "int32"),
-        st=T.alloc_local((4,), "int32"))
+        st=T.alloc_local((5,), "int32"))
     return b
 
 
@@ -89,6 +89,7 @@ def _state(raw):
 def _init(b):
     for i in T.Parallel(CHUNK):
         b.mg[i] = 0
+    b.st[4] = 0
     _reset(b)
 
 
@@ -205,59 +206,78 @@ def _macros(bits):
         keep(b, cnt, T.cast(lo, "int32"), k - c_hi)
 
     @T.macro
+    def pass2(b, xb, off, base, src_idx, row, raw_src, thr):
+        """Append the keys of xb[off : off + CHUNK] above thr: a bit mask per SUB keys (a ballot) whose set bits
+        T.clz walks, in order."""
+        # 16-bit keys are compared in their own width (twice the lanes per vector): key > thr is key >= thr + 1,
+        # clamped to the keys' range (callers make sure thr < 32767)
+        thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t) if bits == 16 else thr
+        narrow = raw_src and bits == 16   # the walk then takes each survivor's key from xb itself
+        for s, j in T.Parallel(NSUB, SUB):
+            if narrow:
+                b.fb[s, j] = T.cast(key_raw(xb[off + s * SUB + j]) >= thr_raw, "uint32") << T.cast(j, "uint32")
+            else:
+                kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
+                b.kk[s * SUB + j] = kv
+                b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
+        T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
+        cnt = b.st[0]
+        top = b.st[2]
+        bot = b.st[3]
+        for s in T.serial(NSUB):
+            m = b.masks[s]
+            while m != 0:
+                # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
+                j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                m = m & (m - 1)
+                kv = key_of(xb[off + s * SUB + j]) if narrow else b.kk[s * SUB + j]
+                b.ck[cnt] = kv
+                b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
+                cnt = cnt + 1
+                top = T.max(top, kv)
+                bot = T.min(bot, kv)
+        b.st[4] = T.cast(cnt > b.st[0], "int32")
+        b.st[0] = cnt
+        b.st[2] = top
+        b.st[3] = bot
+
+    @T.macro
     def chunk(b, xb, off, base, src_idx, row, raw_src, k, b2):
-        """Append the keys of xb[off : off + CHUNK] (positions base...) that beat the threshold st[1]."""
+        """Append the keys of xb[off : off + CHUNK] (positions base...) that beat the threshold st[1]. A first
+        cheap pass finds whether any does (each lane's largest key), and only then the ballot pass (pass2)
+        runs; 16-bit rows skip the first pass while the previous chunk had survivors (st[4]), as most chunks
+        of a long row do, and keep only its magnitudes (the NaN check)."""
         thr = b.st[1]
-        # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
-        for lane in T.Parallel(LANES):
-            v = xb[off + lane]
-            top_key = key_raw(v) if raw_src else v
-            if raw_src:
-                mag = T.max(b.mg[lane], v & low)
-            for j in _ROWS_AFTER_FIRST:
-                v = xb[off + j * LANES + lane]
-                top_key = T.max(top_key, key_raw(v) if raw_src else v)
-                if raw_src:
-                    mag = T.max(mag, v & low)
-            b.lmax[lane] = T.cast(top_key, "int32")
-            if raw_src:
+        if raw_src and bits == 16 and b.st[4] != 0:
+            for lane in T.Parallel(LANES):
+                mag = b.mg[lane]
+                for j in _ROWS:
+                    mag = T.max(mag, xb[off + j * LANES + lane] & low)
                 b.mg[lane] = mag
-        T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
-        if b.ext[0] > thr:
-            # pass 2, for chunks holding a survivor: the keys, and a bit mask per SUB keys whose set bits T.clz
-            # walks
-            # 16-bit keys are compared in their own width (twice the lanes per vector): key > thr is
-            # key >= thr + 1, clamped to the keys' range (thr < 32767 here: some key beats it)
-            thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t) if bits == 16 else thr
-            narrow = raw_src and bits == 16   # the walk then takes each survivor's key from xb itself
-            for s, j in T.Parallel(NSUB, SUB):
-                if narrow:
-                    b.fb[s, j] = T.cast(key_raw(xb[off + s * SUB + j]) >= thr_raw, "uint32") << T.cast(j, "uint32")
-                else:
-                    kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
-                    b.kk[s * SUB + j] = kv
-                    b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
-            T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
-            cnt = b.st[0]
-            top = b.st[2]
-            bot = b.st[3]
-            for s in T.serial(NSUB):
-                m = b.masks[s]
-                while m != 0:
-                    # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
-                    j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                    m = m & (m - 1)
-                    kv = key_of(xb[off + s * SUB + j]) if narrow else b.kk[s * SUB + j]
-                    b.ck[cnt] = kv
-                    b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
-                    cnt = cnt + 1
-                    top = T.max(top, kv)
-                    bot = T.min(bot, kv)
-            b.st[0] = cnt
-            b.st[2] = top
-            b.st[3] = bot
-            if cnt >= k + b2:
-                select(b, k)
+            if thr < 32767:
+                pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+            else:
+                b.st[4] = 0
+        else:
+            # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
+            for lane in T.Parallel(LANES):
+                v = xb[off + lane]
+                top_key = key_raw(v) if raw_src else v
+                if raw_src:
+                    mag = T.max(b.mg[lane], v & low)
+                for j in _ROWS_AFTER_FIRST:
+                    v = xb[off + j * LANES + lane]
+                    top_key = T.max(top_key, key_raw(v) if raw_src else v)
+                    if raw_src:
+                        mag = T.max(mag, v & low)
+                b.lmax[lane] = T.cast(top_key, "int32")
+                if raw_src:
+                    b.mg[lane] = mag
+            T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+            if b.ext[0] > thr:
+                pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+        if b.st[0] >= k + b2:
+            select(b, k)
 
     @T.macro
     def scan(b, lo, hi, src, src_idx, row, raw_src, k, b2):
