@@ -276,7 +276,7 @@ def _compress_plan(s: S.For):
             x = ...                      # locals declared in the loop, any number
             if cond:
                 buf[cnt] = value         # one or more 1-D buffers of 32-bit elements, indexed by cnt alone
-                acc = T.max(acc, e)      # optional min / max updates of scalars declared outside
+                acc = T.max(acc, e)      # optional min / max updates of integer scalars declared outside
                 cnt = cnt + 1
 
     (each buffer stored once, before the increment; cnt, the accumulators and the stored buffers used nowhere
@@ -307,7 +307,9 @@ def _compress_plan(s: S.For):
                     and e.b.value == 1 and t.var.dtype == dt.int32 and cnt is None:
                 cnt = t.var
             elif isinstance(e, E.BinOp) and e.op in ("min", "max") and e.a is t.var and \
-                    all(t.var is not r[1] for r in reds):
+                    not t.var.dtype.is_float and all(t.var is not r[1] for r in reds):
+                # integers only: OpenMP combines a float min / max reduction with its own compare, which does not
+                # follow T.max's NaN rule (a NaN accumulator would stay NaN)
                 reds.append((e.op, t.var, e))
             else:
                 return None

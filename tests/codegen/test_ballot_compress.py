@@ -156,6 +156,45 @@ def test_guarded_loads_are_not_speculated():
     assert all(torch.equal(a, b) for a, b in zip(*outs)) and outs[0][1].item() == n - 1
 
 
+def test_float_min_max_keep_the_nan_rule():
+    # a float accumulator is updated as written (not an OpenMP min / max reduction, whose combine would keep a NaN
+    # start where T.max / T.min give the other operand): the values still go out by compressing stores
+    n = 40
+
+    @T.prim_func
+    def fminmax(X: T.Tensor((n,), "float32"), K: T.Tensor((n,), "float32"), C: T.Tensor((1,), "int32"),
+                R: T.Tensor((2,), "float32"), init: T.float32):
+        with T.Kernel(1, threads=1) as _:
+            ck = T.alloc_shared((n,), "float32")
+            cnt = T.cast(0, "int32")
+            top = init
+            bot = init
+            for j in T.serial(n):
+                v = X[j]
+                if v > 0.0:
+                    ck[cnt] = v
+                    top = T.max(top, v)
+                    bot = T.min(bot, v)
+                    cnt = cnt + 1
+            for i in T.serial(cnt):
+                K[i] = ck[i]
+            C[0] = cnt
+            R[0] = top
+            R[1] = bot
+
+    kc, ki = tegula.compile(fminmax, target="c"), tegula.compile(fminmax, target="interp")
+    assert "reduction(max" not in kc.get_kernel_source()
+    x = torch.linspace(-3, 5, n)
+    for init in (float("nan"), 0.5):
+        outs = []
+        for k in (kc, ki):
+            o, c, r = torch.zeros(n), torch.zeros(1, dtype=torch.int32), torch.zeros(2)
+            k(x, o, c, r, init)
+            outs.append((o, c, r))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), (init, outs)
+        assert not outs[0][2].isnan().any() and outs[0][2][0].item() == 5.0
+
+
 @pytest.mark.parametrize("vdtype,step", [("int64", 1), ("float32", 2)])
 def test_other_loops_equal_interp(vdtype, step):
     # 64-bit values are not compressed (emitted as written); a loop with a step is, over its own trip count
