@@ -61,41 +61,42 @@ def topk_gate(scores, num_topk: int):
 
 def normalize_weight(topk_weights):
     """``(denominator, normalized_weights)``: 1e-20 + the row's weights summed in order, and weights / it."""
-    t = _tk.torch()
     w = topk_weights
-    # a fixed cost of a few microseconds is most of a call: a contiguous float32 CPU tensor of a shape seen
-    # before goes straight to the launcher bound for that shape (and target); anything else takes the checks
-    launch = _NORMALIZE.get((w.shape, _tk.target())) if type(w) is t.Tensor else None
-    if launch is None or w.dtype is not t.float32 or not w.is_cpu or not w.is_contiguous():
+    # a fixed cost of a few microseconds is most of a call: a contiguous float32 CPU tensor of a shape seen before
+    # (under the same TEGULA_TARGET setting, read raw: one dict lookup) goes straight to its plan, the launcher
+    # bound for that shape and a denominator to allocate like; anything else takes the checks
+    plan = _NORMALIZE.get((w.shape, _tk.ENV.get(_tk.TARGET_VAR))) if w.__class__ is _Tensor else None
+    if plan is None or w.dtype is not plan[0] or not w.is_cpu or not w.is_contiguous():
+        t = _tk.torch()
         _tk.check_tensor(w, "topk_weights", (t.float32,), 2)
         w = w.contiguous()
-        launch = _normalize_launcher(t, w)
-    n, k = w.shape
-    den = t.empty(n, dtype=t.float32)  # (an int size parses ~0.5 us faster than a tuple)
-    out = t.empty_like(w)  # (w is contiguous float32 here; empty_like costs ~1 us less than empty(shape, dtype))
-    if launch is not _NOTHING:
+        plan = _normalize_plan(t, w)
+    _, empty_like, den_like, launch = plan
+    # empty_like(a contiguous float32 CPU tensor) parses ~0.2 us faster than empty(n, dtype=...)
+    den = empty_like(den_like)
+    out = empty_like(w)
+    if launch is not None:
         launch(w, den, out)
     return den, out
 
 
-_NORMALIZE: dict = {}   # (shape, target) -> normalize_weight's launcher for contiguous float32 CPU weights
+# (shape, raw TEGULA_TARGET) -> normalize_weight's plan for contiguous float32 CPU weights: (torch.float32,
+# torch.empty_like, a (num_tokens,) float32 tensor, the bound launcher or None when there is nothing to compute)
+_NORMALIZE: dict = {}
+_Tensor = None   # torch.Tensor once a call has imported torch (before that, every call takes the checks)
 
 
-def _NOTHING(*_):
-    pass
-
-
-def _normalize_launcher(t, w):
+def _normalize_plan(t, w):
+    global _Tensor
+    _Tensor = t.Tensor
     n, k = w.shape
-    key = (w.shape, _tk.target())
-    launch = _NORMALIZE.get(key)
-    if launch is None:
-        if n == 0 or k == 0:
-            launch = _NOTHING
-        else:
-            launch = _tk.kernel(K.normalize_weight, k).bind(w, t.empty((n,), dtype=t.float32), t.empty_like(w))
-        _NORMALIZE[key] = launch
-    return launch
+    key = (w.shape, _tk.ENV.get(_tk.TARGET_VAR))
+    plan = _NORMALIZE.get(key)
+    if plan is None:
+        den = t.empty((n,), dtype=t.float32)
+        launch = None if n == 0 or k == 0 else _tk.kernel(K.normalize_weight, k).bind(w, den, t.empty_like(w))
+        plan = _NORMALIZE[key] = (t.float32, t.empty_like, den, launch)
+    return plan
 
 
 def _bool_vector(x, name, n):
