@@ -138,6 +138,11 @@ class _Plan:
         self.shape = (batch, k)
         self.flags, self.words = _flags(torch)
         self.status = self.words.view("int64")   # both words at once: nonzero when either is set
+        # what a call's outputs are allocated like: empty_like(a contiguous CPU tensor) takes ~0.2 us less than
+        # empty(batch, k, dtype=...) (its arguments parse faster)
+        self.empty_like = torch.empty_like
+        self.values_like = torch.empty(self.shape, dtype=input.dtype)
+        self.indices_like = torch.empty(self.shape, dtype=indices_type)
         self.run = None
         if batch == 0:
             return
@@ -185,7 +190,7 @@ class _Plan:
             offset = _row_vector(torch, offset, "output_idx_offset", self.batch)
         dest = None
         if output_idx is None:
-            indices = torch.empty(self.batch, self.k, dtype=self.indices_type)
+            indices = self.empty_like(self.indices_like)
         else:
             if output_idx.__class__ is not torch.Tensor and not isinstance(output_idx, torch.Tensor):
                 raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
@@ -198,9 +203,8 @@ class _Plan:
                 raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
             indices = output_idx
             if not output_idx.is_contiguous():
-                dest, indices = output_idx, torch.empty(self.shape, dtype=self.indices_type)
-        # torch.empty(batch, k, ...): separate ints parse faster than a shape tuple
-        values = torch.empty(self.batch, self.k, dtype=self.dtype) if self.return_value else None
+                dest, indices = output_idx, self.empty_like(self.indices_like)
+        values = self.empty_like(self.values_like) if self.return_value else None
         if self.run is None:   # no rows
             return values, (output_idx if output_idx is not None else indices)
         if not input.is_contiguous():
