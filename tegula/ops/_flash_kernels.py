@@ -27,6 +27,8 @@ import math
 
 import tegula
 import tegula.language as T
+from tegula.ops._mla_kernels import exp2_softmax
+
 LAZY = 8.0   # float32: log2 units a row's maximum may pass its reference maximum before acc is rescaled
 
 LOG2E = math.log2(math.e)
@@ -155,11 +157,11 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
                         T.fill(p_sum, 0)
                         for j in T.serial(BN):
                             for i in T.Parallel(BM):
-                                S[j, i] = T.exp2(S[j, i] * sl2 - ms[i])
+                                S[j, i] = exp2_softmax(S[j, i] * sl2 - ms[i])
                                 p_sum[i] += S[j, i]
                     else:
                         for i, j in T.Parallel(BM, BN):
-                            S[i, j] = T.exp2(S[i, j] * sl2 - ms[i])
+                            S[i, j] = exp2_softmax(S[i, j] * sl2 - ms[i])
                         T.reduce_sum(S, p_sum, dim=1)
                     for i in T.Parallel(BM):
                         l_sum[i] = l_sum[i] * alpha[i] + p_sum[i]

@@ -338,6 +338,36 @@ def test_fp8_cache_round_trip_bit_exact(target, monkeypatch):
     assert torch.equal(back[..., 512:], x[..., 512:])
 
 
+@pytest.mark.parametrize("target", ["c", "interp"])
+def test_exp2_softmax(target):
+    """The softmax exponential of the MLA and flash kernels: 2^x within 2.5e-7 relative over the range they use and
+    beyond, 2^-inf and 2^x below -127 give 0, NaN stays NaN, and 2^0 = 1 exactly."""
+    import tegula
+    import tegula.language as T
+    from tegula.ops._mla_kernels import exp2_softmax
+
+    def make():
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def main(X: T.Tensor((n,), "float32"), Y: T.Tensor((n,), "float32")):
+            with T.Kernel(T.ceildiv(n, 64), threads=64) as bx:
+                for i in T.Parallel(64):
+                    if bx * 64 + i < n:
+                        Y[bx * 64 + i] = exp2_softmax(X[bx * 64 + i])
+        return main
+
+    kern = tegula.jit(make, target=target)()
+    x = torch.cat([torch.linspace(-126, 126, 1999), torch.rand(2000) * 20 - 12,
+                   torch.tensor([0.0, 0.5, -0.5, 8.0, -127.5, -200.0, -math.inf, math.nan])])
+    y = torch.empty_like(x)
+    kern(x, y)
+    ref = torch.exp2(x.double())
+    fin = x > -126.5
+    assert ((y[fin].double() - ref[fin]).abs() / ref[fin]).max() < 2.5e-7
+    assert torch.equal(y[-4:-1], torch.zeros(3)) and y[-1].isnan() and y[-8] == 1.0 and y[-5] == 256.0
+
+
 # flash_attn_varlen_func -----------------------------------------------------------------------------------------
 
 def ref_varlen(q, k, v, cq, ck, causal, scale):
