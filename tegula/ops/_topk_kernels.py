@@ -4,16 +4,16 @@ Values are read as raw bits (int16 for bf16/fp16, int32 for fp32) and become ord
 ``key = v ^ ((v >> 31) & low_mask)`` on the sign-extended bits flips the magnitude of negative numbers, so that
 integer order is float order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN) and the map is its own inverse.
 
-A block reads its range in BLOCKs through a T.Pipelined loop (the CPU target prefetches the next one) and
-filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a chunk whose
-largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (T.reduce_sum of
-distinct bits) whose set bits T.clz walks, appending exactly the survivors, in index order, to the candidate
-buffer. When the buffer holds k + b2 entries a select finds the k-th largest key (a search over the
-candidates' own key range, each step one vectorised count of the candidates above a key), keeps the k largest
-(ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows up to SAMPLE * k long
-start from a threshold estimated on SAMPLE evenly spaced keys; short 16-bit rows with k >= n / 8 instead find
-the exact k-th key by counting passes over the row (short_row). Candidates stay in index order, so indices come
-out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
+A block reads its range in BLOCKs (32-bit rows through a T.Pipelined loop: the CPU target prefetches the next
+one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a
+chunk whose largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (SUB16
+for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appending exactly the survivors, in
+index order, to the candidate buffer. When the buffer holds k + b2 entries a select finds the k-th largest key
+(a search over the candidates' own key range, each step one vectorised count of the candidates above a key),
+keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
+up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys; short 16-bit rows with
+k >= n / 8 instead find the exact k-th key by counting passes over the row (short_row). Candidates stay in
+index order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
@@ -29,6 +29,8 @@ import tegula.language as T
 KMAX = 4096               # the largest k (DeepSelect's limit)
 CHUNK = 512               # keys scanned per step
 SUB = 32                  # keys per bit mask
+SUB16 = 64                # keys per bit mask of 16-bit keys read in place (pass2's narrow form): half the
+                          # words of SUB, so half the mispredicted exits of the walk's inner loop
 BLOCK = 4 * CHUNK         # keys copied (and prefetched) at once
 NSUB = CHUNK // SUB
 SAMPLE = CHUNK            # keys sampled for a first threshold
@@ -82,6 +84,9 @@ def _state(raw):
         mg=T.alloc_fragment((CHUNK,), raw),         # the largest raw magnitude per lane (NaN check)
         ext=T.alloc_fragment((2,), "int32"),
         st=T.alloc_local((5,), "int32"))
+    if raw == "int16":   # pass2's masks over 16-bit keys read in place: SUB16 keys each
+        b.fb16 = T.alloc_fragment((CHUNK // SUB16, SUB16), "uint64")
+        b.masks16 = T.alloc_fragment((CHUNK // SUB16,), "uint64")
     return b
 
 
@@ -213,26 +218,28 @@ def _macros(bits):
         # clamped to the keys' range (callers make sure thr < 32767)
         thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t) if bits == 16 else thr
         narrow = raw_src and bits == 16   # the walk then takes each survivor's key from xb itself
-        for s, j in T.Parallel(NSUB, SUB):
+        sub, mt = (SUB16, "uint64") if narrow else (SUB, "uint32")
+        fb, masks = (b.fb16, b.masks16) if narrow else (b.fb, b.masks)
+        for s, j in T.Parallel(CHUNK // sub, sub):
             if narrow:
-                b.fb[s, j] = T.cast(key_raw(xb[off + s * SUB + j]) >= thr_raw, "uint32") << T.cast(j, "uint32")
+                fb[s, j] = T.cast(key_raw(xb[off + s * sub + j]) >= thr_raw, mt) << T.cast(j, mt)
             else:
                 kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
                 b.kk[s * SUB + j] = kv
                 b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
-        T.reduce_sum(b.fb, b.masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
+        T.reduce_sum(fb, masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
         cnt = b.st[0]
         top = b.st[2]
         bot = b.st[3]
-        for s in T.serial(NSUB):
-            m = b.masks[s]
+        for s in T.serial(CHUNK // sub):
+            m = masks[s]
             while m != 0:
                 # the lowest set bit (keys stay in order); only m & (m - 1) is on the critical path
-                j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
+                j = sub - 1 - T.cast(T.clz(m & (0 - m)), "int32")
                 m = m & (m - 1)
-                kv = key_of(xb[off + s * SUB + j]) if narrow else b.kk[s * SUB + j]
+                kv = key_of(xb[off + s * sub + j]) if narrow else b.kk[s * SUB + j]
                 b.ck[cnt] = kv
-                b.ci[cnt] = base + s * SUB + j if raw_src else src_idx[row, base + s * SUB + j]
+                b.ci[cnt] = base + s * sub + j if raw_src else src_idx[row, base + s * SUB + j]
                 cnt = cnt + 1
                 top = T.max(top, kv)
                 bot = T.min(bot, kv)
@@ -284,10 +291,15 @@ def _macros(bits):
         """Append the keys of positions [lo, hi) of src[row, :] that beat the threshold st[1] (with their
         indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
         Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check). The input
-        comes in BLOCKs through a T.Pipelined loop, so the CPU target prefetches the next block meanwhile."""
+        comes in BLOCKs (through a T.Pipelined loop but for 16-bit rows: the CPU target prefetches the next
+        block meanwhile)."""
         xb = b.xs if raw_src else b.ws
         nblk = (hi - lo) // BLOCK
-        for blk in T.Pipelined(nblk, num_stages=2):
+        # 16-bit rows: a plain loop; the software prefetch of the next block cost more than it saved there
+        # (1 thread CPU time: b1 32K k2048 -4%, b1 1M -5..-10%, from DRAM too), not so for 32-bit rows (b8 fp32
+        # sampler from DRAM +5% without it)
+        pipe = not (raw_src and bits == 16)
+        for blk in (T.Pipelined(nblk, num_stages=2) if pipe else T.serial(nblk)):
             T.copy(src[row, lo + blk * BLOCK], xb)   # a whole-tile copy: one bounds test, not one per element
             for q in T.serial(BLOCK // CHUNK):
                 chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2)
