@@ -34,6 +34,8 @@ class Config:
                                # list or part of its name (default: the first GPU, else the first device)
     opencl_flags: str   # TEGULA_OPENCL_FLAGS: extra OpenCL build options (-cl-opt-disable builds PoCL kernels ~20x
                         # faster, runs them slower: the test suite's choice)
+    trampoline: bool = True  # TEGULA_TRAMPOLINE=0: c kernels launch through ctypes, not the trampoline (read once
+                             # per process, when the first c kernel loads)
 
 
 def get() -> Config:
@@ -50,4 +52,5 @@ def get() -> Config:
         cuda_arch=env.get("TEGULA_CUDA_ARCH") or None,
         opencl_device=env.get("TEGULA_OPENCL_DEVICE") or None,
         opencl_flags=env.get("TEGULA_OPENCL_FLAGS", ""),
+        trampoline=env.get("TEGULA_TRAMPOLINE", "1") != "0",
     )

@@ -178,11 +178,13 @@ def collect_symbols(params) -> list:
     return out
 
 
-def make_fast_call(binder: Binder, launch, slow_call):
+def make_fast_call(binder: Binder, launch, slow_call, direct=None):
     """A straight-line Python wrapper for the common call (contiguous CPU torch tensors of the exact dtypes and
     shapes): it checks each argument with a few attribute reads and launches; anything else goes to
     ``slow_call``, which binds generically and raises the precise error. Returns None when torch is not loaded
-    (no fast path is worth building then)."""
+    (no fast path is worth building then). ``direct``: the runtime's ``(trampoline call, address)``, which
+    launches instead of ``launch`` (every argument is a Python int there: the checks admit only ints for the
+    integer scalars, and the trampoline serves no float ones)."""
     import sys
     torch = sys.modules.get("torch")
     if torch is None or binder.device != "cpu":
@@ -232,7 +234,11 @@ def make_fast_call(binder: Binder, launch, slow_call):
     for pos, p in enumerate(binder.params):
         all_args.append(f"o{pos}.data_ptr()" if pos in binder.out_idx else next(it))
     all_args += [sym_names[id(v)] for v in binder.symbols]
-    lines.append(f"_launch({', '.join(all_args)})")
+    if direct is not None:
+        env["_call"], env["_address"] = direct
+        lines.append(f"_call(_address, {', '.join(all_args)})")
+    else:
+        lines.append(f"_launch({', '.join(all_args)})")
     ret = "None" if not outs else outs[0] if len(outs) == 1 else f"[{', '.join(outs)}]"
     lines.append(f"return {ret}")
     src = f"def call({', '.join(names)}):\n    args = ({''.join(n + ', ' for n in names)})\n"

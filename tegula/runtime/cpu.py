@@ -171,7 +171,9 @@ def build(source: str, out_path: str, name: str = "kernel") -> None:
 
 
 class CpuProgram:
-    """A loaded kernel: ``launch(*args)`` with ints for pointers and Python scalars, per ``signature``."""
+    """A loaded kernel: ``launch(*args)`` with ints for pointers and Python scalars, per ``signature``.
+    ``direct``: where the trampoline serves this signature (see ``trampoline``), ``(call, address)``:
+    ``call(address, *args)`` launches with every argument a Python int (pointers as addresses); else None."""
 
     def __init__(self, path: str, name: str, signature: list[str]):
         self.lib = ctypes.CDLL(path)
@@ -181,6 +183,7 @@ class CpuProgram:
         n = config.get().num_threads
         self.lib.tg_set_num_threads(ctypes.c_int(n if n > 0 else _default_threads()))
         self.launch = self.fn
+        self.direct = direct_call(self.fn)
 
 
 def _default_threads() -> int:
@@ -188,6 +191,117 @@ def _default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+# The trampoline: a foreign call through ctypes costs ~0.6-1 us (argument conversion by argtypes or ctypes objects,
+# libffi), most of a small kernel's fixed cost. Where every argument is a pointer or an integer of at most 64
+# bits (int32, uint32, int64) and the ABI passes each in one 64-bit integer slot (x86-64 System V: registers, then 8-byte
+# stack slots; a callee reads the low bits of its narrower ones), a tiny CPython extension calls the kernel
+# instead: call(address, *ints), one METH_FASTCALL builtin that converts each int and calls through a pointer
+# of the exact arity (releasing the GIL, as ctypes does). Built once per toolchain and Python into the cache
+# directory; where it cannot be built (no Python headers, another ABI) kernels launch through ctypes as before.
+TRAMPOLINE_MAX_ARGS = 24
+# (narrower integers and bool are left to ctypes, which narrows an out-of-range Python int the way C does)
+_TRAMPOLINE_TYPES = {ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32}
+_TRAMPOLINE: list = []   # [call or None] once tried in this process
+_TRAMPOLINE_LOCK = threading.Lock()
+
+
+def _trampoline_source() -> str:
+    cases = []
+    for n in range(TRAMPOLINE_MAX_ARGS + 1):
+        params = ", ".join(["I"] * n) or "void"
+        args = ", ".join(f"a[{i}]" for i in range(n))
+        cases.append(f"    case {n}: ((void (*)({params}))f)({args}); break;\n")
+    return ("#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <stdint.h>\n"
+            "typedef int64_t I;\n"
+            "static PyObject *tg_call(PyObject *self, PyObject *const *args, Py_ssize_t n) {\n"
+            "  (void)self;\n"
+            f"  if (n < 1 || n > {TRAMPOLINE_MAX_ARGS + 1}) {{\n"
+            "    PyErr_SetString(PyExc_TypeError, \"call(address, *ints): too many arguments\"); return NULL; }\n"
+            "  void *f = PyLong_AsVoidPtr(args[0]);\n"
+            f"  I a[{TRAMPOLINE_MAX_ARGS}];\n"
+            "  for (Py_ssize_t i = 1; i < n; ++i) a[i - 1] = (I)PyLong_AsLongLong(args[i]);\n"
+            "  if (PyErr_Occurred()) return NULL;\n"
+            "  Py_BEGIN_ALLOW_THREADS\n"
+            "  switch (n - 1) {\n" + "".join(cases) + "  }\n"
+            "  Py_END_ALLOW_THREADS\n"
+            "  Py_RETURN_NONE;\n}\n"
+            "static PyMethodDef tg_methods[] = {{\"call\", (PyCFunction)(void (*)(void))tg_call, METH_FASTCALL, "
+            "\"call(address, *ints)\"}, {NULL, NULL, 0, NULL}};\n"
+            "static struct PyModuleDef tg_module = {PyModuleDef_HEAD_INIT, \"tg_trampoline\", NULL, -1, tg_methods};\n"
+            "PyMODINIT_FUNC PyInit_tg_trampoline(void) { return PyModule_Create(&tg_module); }\n")
+
+
+def trampoline():
+    """The trampoline's ``call(address, *ints)``, or None where it is not used (TEGULA_TRAMPOLINE=0, another ABI
+    than x86-64 System V, or it cannot be built); decided once per process."""
+    if _TRAMPOLINE:
+        return _TRAMPOLINE[0]
+    with _TRAMPOLINE_LOCK:
+        if not _TRAMPOLINE:
+            try:
+                call = _build_trampoline()
+            except Exception:   # noqa: BLE001 (any failure only means launching through ctypes)
+                call = None
+            _TRAMPOLINE.append(call)
+    return _TRAMPOLINE[0]
+
+
+def _build_trampoline():
+    import importlib.util
+    import sys
+    import sysconfig
+    if not config.get().trampoline:
+        return None
+    if platform.machine() not in ("x86_64", "AMD64") or os.name != "posix" or sys.platform == "darwin" or \
+            ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    include = sysconfig.get_paths().get("include")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    if not include or not os.path.exists(os.path.join(include, "Python.h")):
+        return None
+    source = _trampoline_source()
+    cc = compiler()
+    ident, _ = _compiler_info(cc)
+    key = hashlib.sha256(f"{cc}|{ident}|{sys.version}|{include}|{suffix}\0{source}".encode()).hexdigest()[:32]
+    d = os.path.join(config.get().cache_dir, "trampoline", key)
+    path = os.path.join(d, "tg_trampoline" + suffix)
+    if not os.path.exists(path):
+        os.makedirs(d, exist_ok=True)
+        tag = f"{os.getpid()}.{threading.get_ident()}"
+        src = os.path.join(d, f"tg_trampoline.{tag}.c")
+        tmp = f"{path}.{tag}.tmp"
+        with open(src, "w") as f:
+            f.write(source)
+        try:
+            r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", include, src, "-o", tmp], capture_output=True,
+                               timeout=120)
+            if r.returncode != 0:
+                return None
+            os.replace(tmp, path)
+        finally:
+            for x in (src, tmp):
+                try:
+                    os.unlink(x)
+                except OSError:
+                    pass
+    spec = importlib.util.spec_from_file_location("tg_trampoline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.call
+
+
+def direct_call(fn):
+    """``(call, address)`` launching the ctypes function ``fn`` through the trampoline, where its argtypes allow
+    (pointers, int32, uint32 and int64, at most TRAMPOLINE_MAX_ARGS of them); else None."""
+    types = getattr(fn, "argtypes", None)
+    if types is None or len(types) > TRAMPOLINE_MAX_ARGS or any(t not in _TRAMPOLINE_TYPES for t in types):
+        return None
+    call = trampoline()
+    if call is None:
+        return None
+    return call, ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def load(path: str, name: str, signature: list[str]) -> CpuProgram:
