@@ -177,12 +177,12 @@ def _macros(bits):
         return b.ext[0]
 
     @T.macro
-    def select(b, k):
-        """Keep the k largest of the b.st[0] candidates (in their order; ties: earliest first); st[1] becomes
-        the k-th largest key. That key is searched for in the candidates' range [st[3], st[2]] by vectorised
-        counts of the candidates >= a key (interpolation alternating with bisection, as short_row does on a
-        row), then ``keep``. A radix select's histograms cost more: increments of equal digits wait on each
-        other (b1 8K k512 kernel 7.3 -> 5.8 us, 1M k2048 246 -> 220 us)."""
+    def kth_key(b, k):
+        """(the k-th largest of the b.st[0] candidates' keys, how many are above it), int64 and int32: searched
+        for in the candidates' range [st[3], st[2]] by vectorised counts of the candidates >= a key
+        (interpolation alternating with bisection, as short_row does on a row). A radix select's histograms
+        cost more: increments of equal digits wait on each other (b1 8K k512 kernel 7.3 -> 5.8 us, 1M k2048
+        246 -> 220 us)."""
         cnt = b.st[0]
         nch = (cnt + CHUNK - 1) // CHUNK
         for i in T.Parallel(CHUNK):   # the last chunk's tail counts for nothing
@@ -208,7 +208,14 @@ def _macros(bits):
                 hi = mid
                 c_hi = c
             bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
-        keep(b, cnt, T.cast(lo, "int32"), k - c_hi)
+        return lo, c_hi
+
+    @T.macro
+    def select(b, k):
+        """Keep the k largest of the b.st[0] candidates (in their order; ties: earliest first); st[1] becomes
+        the k-th largest key (kth_key, then ``keep``)."""
+        kth, above = kth_key(b, k)
+        keep(b, b.st[0], T.cast(kth, "int32"), k - above)
 
     @T.macro
     def pass2(b, xb, off, base, src_idx, row, raw_src, thr):
@@ -354,10 +361,9 @@ def _macros(bits):
         if mu >= 1.0 and length >= 2 * SAMPLE:
             stride = length // SAMPLE
             sample(b, src, row, lo, stride)
-            select(b, T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"))
-            t0 = b.st[1]
+            t0, _ = kth_key(b, T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"))   # the sample itself is not kept
             _reset(b)
-            b.st[1] = T.max(t0, INT_MIN + 1) - 1
+            b.st[1] = T.max(T.cast(t0, "int32"), INT_MIN + 1) - 1
             sampled = 1
         again = T.cast(1, "int32")
         while again != 0:
