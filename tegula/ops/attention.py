@@ -28,6 +28,7 @@ dropout; no autograd (flash_attn_varlen_func returns plain tensors).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Optional
 
@@ -123,6 +124,20 @@ def _int32(name, x, shape):
     _check_tensor(name, x, len(shape), (torch.int32,))
     _shape(name, x, shape)
     return x.contiguous()
+
+
+def _scale(name: str, value, d: int) -> float:
+    """The softmax scale (default 1 / sqrt(d)): a finite float > 0 (the kernels' online softmax keeps the running
+    maximum of q . k, which is the maximum of the scaled scores only for a positive scale)."""
+    if value is None:
+        return d ** -0.5
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    return v
 
 
 def _row_block(rows: int) -> tuple[int, int]:
@@ -267,7 +282,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             raise ValueError(f"q's head dim {d} differs from k_cache's {k_cache.shape[3]}")
     if not 0 < head_dim_v <= d:
         raise ValueError(f"head_dim_v must be in 1..d_qk={d}, got {head_dim_v}")
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    scale = _scale("softmax_scale", softmax_scale, d)
 
     if sparse:
         if causal:
@@ -455,6 +470,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
         lens = _int32("topk_length", topk_length, (s_q,)).clamp(0, topk)
     else:
         lens = torch.full((s_q,), topk, dtype=torch.int32)
+    scale = _scale("sm_scale", sm_scale, d)
     kva, (sb, _, _) = _flat(kv)
     tab, lens = _compact(indices.reshape(s_q, topk).contiguous(), lens, s_kv)
     g = torch.arange(s_q, dtype=torch.int32)
@@ -469,7 +485,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
     kern(q.contiguous().view(s_q, 1, 1, h_q, d), kva, torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16),
          tab, lens, sched, sink, out.view(s_q, 1, 1, h_q, d_v),
          lse.view(s_q, 1, h_q, 1), max_logits.view(s_q, 1, h_q, 1), torch.empty(1, 1, h_q, d_v),
-         torch.empty(1, 1, h_q), int(sb), 0, 0, int(s_kv), float(sm_scale))
+         torch.empty(1, 1, h_q), int(sb), 0, 0, int(s_kv), scale)
     return out, max_logits, lse
 
 
@@ -569,7 +585,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
     if not isinstance(max_seqlen_qo, int) or max_seqlen_qo < max_q:
         raise ValueError(f"max_seqlen_qo must be an int >= the longest query sequence ({max_q}), got "
                          f"{max_seqlen_qo!r}")
-    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    scale = _scale("softmax_scale", softmax_scale, d)
     out = torch.empty(total_q, h_q, dv, dtype=q.dtype)
     lse = torch.empty(h_q, total_q, dtype=torch.float32)
     if total_q:

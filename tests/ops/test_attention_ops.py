@@ -487,6 +487,11 @@ def test_bad_input_raises():
         A.flash_mla_sparse_fwd(qp, kv, torch.zeros(4, 2, 8, dtype=torch.int32), 0.1)
     with pytest.raises(ValueError):
         A.flash_mla_sparse_fwd(qp, kv[..., :500], torch.zeros(4, 1, 8, dtype=torch.int32), 0.1)
+    for bad in (-0.1, 0.0, math.inf, math.nan):                 # the softmax scale must be finite and > 0
+        with pytest.raises(ValueError, match="scale"):
+            A.flash_mla_sparse_fwd(qp, kv, torch.zeros(4, 1, 8, dtype=torch.int32), bad)
+        with pytest.raises(ValueError, match="softmax_scale"):
+            run(tile_scheduler_metadata=meta, softmax_scale=bad)
     x = torch.randn(5, 3, 64)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     for args in [(x, x[:, :2], x[:, :2], cu, cu, 5, 5),       # 3 q heads over 2 kv heads
@@ -496,5 +501,7 @@ def test_bad_input_raises():
                  (x, x, x, cu, cu, 4, 5)]:                    # max_seqlen_qo too small
         with pytest.raises(ValueError):
             A.flash_attn_varlen_func(*args)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        A.flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, softmax_scale=-1.0)
     with pytest.raises(ValueError):
         A.quantize_kv_cache_fp8(cache[..., :512])
