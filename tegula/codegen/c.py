@@ -281,8 +281,9 @@ def _compress_plan(s: S.For):
 
     (each buffer stored once, before the increment; cnt, the accumulators and the stored buffers used nowhere
     else in the loop; the stored values and updates free of integer division and of loads that the
-    declarations or the condition do not make anyway, since they are computed for every iteration); else None. Such a loop appends the values that pass, in order, at cnt: a compressing
-    store, what ``compress_loop`` emits."""
+    declarations or the condition do not make anyway, since they are computed for every iteration); else None.
+    Such a loop appends the values that pass, in order, at cnt: a compressing store, what ``compress_loop``
+    emits."""
     if s.kind != "serial" or s.step != 1 or s.annotations:
         return None
     items = _flat([s.body])

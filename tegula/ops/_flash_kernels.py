@@ -27,7 +27,7 @@ import math
 
 import tegula
 import tegula.language as T
-from tegula.ops._mla_kernels import exp2_softmax
+from tegula.ops._mla_kernels import exp2_softmax, lazy_max
 
 LAZY = 8.0   # float32: log2 units a row's maximum may pass its reference maximum before acc is rescaled
 
@@ -140,12 +140,7 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
                         T.reduce_max(S, m_cur, dim=1)
                     if key_major:   # lazy: the reference maximum moves only when passed by more than LAZY (log2)
                         for i in T.Parallel(BM):
-                            upd = m_cur[i] > m[i] and (m[i] == neg_inf or (m_cur[i] - m[i]) * sl2 > LAZY)
-                            m_new = T.if_then_else(upd, m_cur[i], m[i])
-                            ms[i] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
-                            alpha[i] = T.if_then_else(upd, T.exp2(m[i] * sl2 - ms[i]), 1.0)
-                            grew[i] = T.if_then_else(upd, 1.0, 0.0)
-                            m[i] = m_new
+                            lazy_max(m_cur, m, ms, alpha, grew, i, sl2)
                     else:
                         for i in T.Parallel(BM):
                             m_new = T.max(m[i], m_cur[i])

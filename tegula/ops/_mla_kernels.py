@@ -4,15 +4,15 @@ the combine of split partial results, and the FP8 KV-cache quantiser and dequant
 ``mla_decode`` serves dense paged decode, sparse decode and sparse prefill with one body. Its unit of work is a
 *group* of query rows that attend to one set of keys: in dense decode a (batch, kv head) pair, whose rows are
 the s_q * (h_q / h_kv) query heads of all its query tokens; in sparse decode a (batch, query token) pair; in
-sparse prefill a query token. A block takes one schedule item (group, first key, end key, slot) and walks its
-keys in tiles of ``BN``: each tile gathers its key rows from the cache (through the block table, or the
-``indices``), zeroing rows that are past the end or invalid, computes S = Q K^T with T.gemm, masks, keeps an
-online softmax (base-2 exponentials by ``exp2_softmax``, the scale folded in; lazily rescaled: a row's reference maximum moves only
-when the row's scores pass it by more than ``LAZY`` log2 units, so P <= 2^LAZY and the accumulator is rescaled at
-few tiles, while the true maximum is tracked for prefill's max_logits), and accumulates P V, where V is the first
-``dv`` columns of the same key tile (MLA: V is part of K). An item that covers its group alone writes the final output
-and lse; an item that covers part of a long group writes a partial (output normalised by its own sum, and its
-natural-log lse) into a workspace slot, and ``mla_combine`` merges the slots of each group.
+sparse prefill a query token. A block takes one schedule item (group, first key, end key, slot) and walks its keys
+in tiles of ``BN``: each tile gathers its key rows from the cache (through the block table, or the ``indices``),
+zeroing rows that are past the end or invalid, computes S = Q K^T with T.gemm, masks, keeps an online softmax
+(base-2 exponentials by ``exp2_softmax``, the scale folded in; lazily rescaled by ``lazy_max``: a row's reference
+maximum moves only when the row's scores pass it by more than ``LAZY`` log2 units, so P <= 2^LAZY and the
+accumulator is rescaled at few tiles, while the true maximum is tracked for prefill's max_logits), and accumulates P
+V, where V is the first ``dv`` columns of the same key tile (MLA: V is part of K). An item that covers its group
+alone writes the final output and lse; an item that covers part of a long group writes a partial (output normalised
+by its own sum, and its natural-log lse) into a workspace slot, and ``mla_combine`` merges the slots of each group.
 
 The FP8 cache (``fp8``) stores 656 bytes per token: 512 float8_e4m3fn values, 4 float32 scales (one per 128
 values) and 64 bfloat16 RoPE values. The kernel receives the same memory as three flat views (fp8, float32,
@@ -48,6 +48,20 @@ def exp2_softmax(x):
     p = T.fma(p, f, EXP2_POLY[4])
     p = T.fma(p, f, EXP2_POLY[5])
     return p * T.reinterpret((T.reinterpret(t, "uint32") << 23) + T.uint32(0x3F800000), "float32")
+
+
+@T.macro
+def lazy_max(m_cur, m, ms, alpha, grew, r, sl2):
+    """Row r's step of the lazily rescaled online softmax: the reference maximum m[r] moves only when the tile's
+    maximum m_cur[r] passes it by more than LAZY (log2 units), so exponentials stay <= 2^LAZY and the output is
+    rescaled at few tiles; ms[r] = the reference in log2 units (0 while it is -inf), alpha[r] the factor the
+    running sums and output take, grew[r] 1 where the reference moved."""
+    upd = m_cur[r] > m[r] and (m[r] == -T.infinity("float32") or (m_cur[r] - m[r]) * sl2 > LAZY)
+    m_new = T.if_then_else(upd, m_cur[r], m[r])
+    ms[r] = T.if_then_else(m_new == -T.infinity("float32"), 0.0, m_new * sl2)
+    alpha[r] = T.if_then_else(upd, T.exp2(m[r] * sl2 - ms[r]), 1.0)
+    grew[r] = T.if_then_else(upd, 1.0, 0.0)
+    m[r] = m_new
 
 
 def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, has_sink, with_max,
@@ -187,15 +201,8 @@ def mla_decode(rb, nrb, sq, hpk, h_kv, d, dv, ps, sparse, causal, fp8, dtype, ha
                     for r, i in T.Parallel(rb, BN):
                         S[r, i] = S[r, i] + bias[i]
                 T.reduce_max(S, m_cur, dim=1)
-                # lazy rescaling: the reference maximum m moves only when a row's maximum passes it by more than
-                # LAZY (log2 units), so exponentials stay <= 2^LAZY and the output rarely needs rescaling
                 for r in T.Parallel(rb):
-                    upd = m_cur[r] > m[r] and (m[r] == neg_inf or (m_cur[r] - m[r]) * sl2 > LAZY)
-                    m_new = T.if_then_else(upd, m_cur[r], m[r])
-                    ms[r] = T.if_then_else(m_new == neg_inf, 0.0, m_new * sl2)
-                    alpha[r] = T.if_then_else(upd, T.exp2(m[r] * sl2 - ms[r]), 1.0)
-                    grew[r] = T.if_then_else(upd, 1.0, 0.0)
-                    m[r] = m_new
+                    lazy_max(m_cur, m, ms, alpha, grew, r, sl2)
                     if with_max:
                         mt[r] = T.max(mt[r], m_cur[r])
                 for r, i in T.Parallel(rb, BN):

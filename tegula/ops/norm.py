@@ -106,7 +106,8 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
 
     @T.prim_func
     def rmsnorm_cast(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((H,), w_dtype),
-                     Q: T.Tensor((NT, H if fmt == "e4m3" else QC), OUT_DTYPE[fmt]), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                     Q: T.Tensor((NT, H if fmt == "e4m3" else QC), OUT_DTYPE[fmt]),
+                     S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
                      eps: T.float32, flags: T.int32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM

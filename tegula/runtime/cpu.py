@@ -195,8 +195,8 @@ def _default_threads() -> int:
 
 # The trampoline: a foreign call through ctypes costs ~0.6-1 us (argument conversion by argtypes or ctypes objects,
 # libffi), most of a small kernel's fixed cost. Where every argument is a pointer or an integer of at most 64
-# bits (int32, uint32, int64) and the ABI passes each in one 64-bit integer slot (x86-64 System V: registers, then 8-byte
-# stack slots; a callee reads the low bits of its narrower ones), a tiny CPython extension calls the kernel
+# bits (int32, uint32, int64) and the ABI passes each in one 64-bit integer slot (x86-64 System V: registers, then
+# 8-byte stack slots; a callee reads the low bits of its narrower ones), a tiny CPython extension calls the kernel
 # instead: call(address, *ints), one METH_FASTCALL builtin that converts each int and calls through a pointer
 # of the exact arity (releasing the GIL, as ctypes does). Built once per toolchain and Python into the cache
 # directory; where it cannot be built (no Python headers, another ABI) kernels launch through ctypes as before.

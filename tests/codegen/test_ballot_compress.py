@@ -206,7 +206,8 @@ def test_other_loops_equal_interp(vdtype, step):
         x = torch.randint(-100, 100, (100,), dtype=torch.int32)
         outs = []
         for k in (kc, ki):
-            ok, ov, c = torch.zeros(101, dtype=torch.int32), torch.zeros(101, dtype=tdt), torch.zeros(3, dtype=torch.int32)
+            ok, ov = torch.zeros(101, dtype=torch.int32), torch.zeros(101, dtype=tdt)
+            c = torch.zeros(3, dtype=torch.int32)
             k(x, ok, ov, c, t)
             outs.append((ok, ov, c))
         for a, b in zip(*outs):
