@@ -177,6 +177,39 @@ def _macros(bits):
         return b.ext[0]
 
     @T.macro
+    def search_kth(lo0, hi0, c_lo0, c_hi0, k, count, args, dtype):
+        """(the largest key lo with count(args, lo) >= k, count(args, hi) for the key hi above it), searched in
+        [lo0, hi0) by keys of ``dtype`` from count(args, lo0) = c_lo0 >= k > count(args, hi0) = c_hi0:
+        interpolation of the counts alternating with bisection (a step that does not halve the range is
+        followed by a bisection)."""
+        lo = T.cast(lo0, dtype)
+        hi = T.cast(hi0, dtype)
+        c_lo = T.cast(c_lo0, "int32")
+        c_hi = T.cast(c_hi0, "int32")
+        bisect = T.cast(0, "int32")
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if bisect == 0:
+                step = T.cast(T.cast(hi - lo, "float32") * T.cast(c_lo - k, "float32") /
+                              T.cast(c_lo - c_hi, "float32"), dtype)
+                mid = lo + T.min(T.max(step, 1), hi - lo - 1)
+            width = hi - lo
+            c = count(args, mid)
+            if c >= k:
+                lo = mid
+                c_lo = c
+            else:
+                hi = mid
+                c_hi = c
+            bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
+        return lo, c_hi
+
+    @T.macro
+    def top_count(args, t):
+        """search_kth's count for kth_key: candidates with keys >= t (args = (b, nch))."""
+        return count_top(args[0], args[1], T.cast(t, "int32"))
+
+    @T.macro
     def kth_key(b, k):
         """(the k-th largest of the b.st[0] candidates' keys, how many are above it), int64 and int32: searched
         for in the candidates' range [st[3], st[2]] by vectorised counts of the candidates >= a key
@@ -188,27 +221,9 @@ def _macros(bits):
         for i in T.Parallel(CHUNK):   # the last chunk's tail counts for nothing
             if cnt + i < nch * CHUNK:
                 b.ck[cnt + i] = INT_MIN
-        lo = T.cast(b.st[3], "int64")       # the search runs in int64: 32-bit keys span up to 2^32
-        hi = T.cast(b.st[2], "int64") + 1
-        c_lo = cnt
-        c_hi = T.cast(0, "int32")
-        bisect = T.cast(0, "int32")
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            if bisect == 0:
-                step = T.cast(T.cast(hi - lo, "float32") * T.cast(c_lo - k, "float32") /
-                              T.cast(c_lo - c_hi, "float32"), "int64")
-                mid = lo + T.min(T.max(step, 1), hi - lo - 1)
-            width = hi - lo
-            c = count_top(b, nch, T.cast(mid, "int32"))
-            if c >= k:
-                lo = mid
-                c_lo = c
-            else:
-                hi = mid
-                c_hi = c
-            bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
-        return lo, c_hi
+        # the search runs in int64: 32-bit keys span up to 2^32
+        return search_kth(T.cast(b.st[3], "int64"), T.cast(b.st[2], "int64") + 1, cnt, T.cast(0, "int32"), k,
+                          top_count, (b, nch), "int64")
 
     @T.macro
     def select(b, k):
@@ -408,6 +423,11 @@ def _macros(bits):
         return total
 
     @T.macro
+    def row_count(args, t):
+        """search_kth's count for short_row: keys of the row >= t (args = (b, src, row, length))."""
+        return count_ge(args[0], args[1], args[2], args[3], t, False)
+
+    @T.macro
     def short_row(b, src, row, length, k):
         """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
         index order. The k-th largest key itself is found first, by searching the key range for the point where
@@ -438,22 +458,7 @@ def _macros(bits):
                 hi = lo
                 c_hi = c
                 lo = KEY_MIN
-        bisect = T.cast(0, "int32")
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            if bisect == 0:
-                step = T.cast(T.cast(hi - lo, "float32") * T.cast(c_lo - k, "float32") /
-                              T.cast(c_lo - c_hi, "float32"), "int32")
-                mid = lo + T.min(T.max(step, 1), hi - lo - 1)
-            width = hi - lo
-            c = count_ge(b, src, row, length, mid, False)
-            if c >= k:
-                lo = mid
-                c_lo = c
-            else:
-                hi = mid
-                c_hi = c
-            bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
+        lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, row_count, (b, src, row, length), "int32")
         need = k - c_hi   # lo is the k-th largest key: keep all keys above it and `need` equal to it
         cnt = T.cast(0, "int32")
         nfull = length // CHUNK
