@@ -14,7 +14,6 @@ from tegula.ep.layout import (
     dtype_code,
     exclusive,
     localise,
-    send_head_of,
     send_tokens,
     token_layout,
 )
@@ -261,8 +260,13 @@ class Buffer:
 
     def _exchange(self, what: str, header: list, names: tuple, extra, device):
         """Enter the operation: trade ``header`` (which every rank must agree on, field by field) and ``extra``
-        (per-rank values such as counts). Returns the int64 matrix [ranks, len(header) + len(extra)]."""
-        m = self._comm.exchange(what, list(header) + list(extra), device)
+        (per-rank values such as counts: a list, or a 1-D numpy array). Returns the int64 matrix [ranks,
+        len(header) + len(extra)]."""
+        import numpy as np
+        meta = np.empty(len(header) + len(extra), dtype=np.int64)
+        meta[:len(header)] = header
+        meta[len(header):] = extra
+        m = self._comm.exchange(what, meta, device)
         differ = m[:, :len(names)] != m[self.rank, :len(names)]
         if differ.any():
             bad, c = (int(v[0]) for v in differ.T.nonzero()[::-1])  # the first field that differs, its first rank
@@ -285,7 +289,22 @@ class Buffer:
             raise ValueError(f"tegula.ep: {what}: rank {rank} must receive {plan.nbytes} bytes but its region holds "
                              f"{capacity}; make the Buffer larger (see Buffer.get_nvl_buffer_size_hint and "
                              "get_low_latency_rdma_size_hint)")
-        return plan.views(self._comm.region(rank, offset, plan.nbytes, spans))
+        at = self._comm.place(rank, offset, plan.nbytes, spans)
+        if at % 8:  # not where every array's elements can start (an offset not made by this Buffer)
+            return plan.views(shm.bytes(rank, offset, plan.nbytes))
+        return plan.views_in(shm.typed, at)
+
+    def _places(self, rank, offset, capacity, plan: Plan, device, spans, what, reserve: bool = True):
+        """Where ``rank``'s arrays of ``plan`` at ``offset`` begin, in bytes from the start of ``_region_of(offset,
+        device)``: {name: byte offset}. As ``_storage`` (whose checks it makes, reserving ``spans`` unless told
+        not to: ``_storage`` did it for this rank), without making the views."""
+        shm = self._comm.shm
+        at = 0  # this rank's own buffer, outside shared memory: its arrays from its start
+        if device.type == "cpu" and shm is not None and rank in shm.segs:
+            if plan.nbytes > capacity:
+                self._storage(rank, offset, capacity, plan, device, spans, what)  # raises
+            at = self._comm.place(rank, offset, plan.nbytes, spans if reserve else ())
+        return {name: at + off for name, (off, _, _, _) in plan.fields.items()}
 
     def _region_of(self, offset, device):
         """The uint8 tensor holding every region this rank writes at ``offset``: the window of this machine's
@@ -299,14 +318,18 @@ class Buffer:
               write_all=None):
         """One operation's data movement. Each rank r this rank shares memory with gets ``write(views, r)`` into
         its ``plans[r]`` arrays at ``offset`` (``spans(r)``: the byte ranges written there); or, if
-        ``write_all({r: views})`` returns True, all of them at once. Ranks reached through torch.distributed get
-        ``payload(r)`` (n_send[r] rows of ``fields``) in one all_to_all_single, and the n_recv[s] rows from rank s
-        go through ``place(mine, s, arrays)``. Returns this rank's arrays once every sender has delivered."""
+        ``write_all({r: _places of r's arrays})`` returns True, all of them at once. Ranks reached through
+        torch.distributed get ``payload(r)`` (n_send[r] rows of ``fields``) in one all_to_all_single, and the
+        n_recv[s] rows from rank s go through ``place(mine, s, arrays)``. Returns this rank's arrays once every
+        sender has delivered."""
         me = self.rank
         mine = self._storage(me, offset, capacity, plans[me], device, spans(me), what)
-        dests = {r: mine if r == me else self._storage(r, offset, capacity, plans[r], device, spans(r), what)
-                 for r in self._comm.local(device)}
-        if write_all is None or not write_all(dests):
+        local = self._comm.local(device)
+        # the kernel writing every receiver at once needs only where their arrays are: no views of the peers' made
+        if write_all is None or not write_all({r: self._places(r, offset, capacity, plans[r], device, spans(r), what,
+                                                               r != me) for r in local}):
+            dests = {r: mine if r == me else self._storage(r, offset, capacity, plans[r], device, spans(r), what)
+                     for r in local}
             for r, views in dests.items():
                 write(views, r)
         if self._comm.any_dist(device):
@@ -326,6 +349,7 @@ class Buffer:
 
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens):
+        import numpy as np
         import torch
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -359,7 +383,7 @@ class Buffer:
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"tegula.ep: dispatch: expert_alignment must be a positive int, got {expert_alignment!r}")
         # where each token goes (the handle's, when repeating a layout), and how many go to each rank
-        send_head, sent = (handle[5], is_token_in_rank.sum(0)) if cached else send_head_of(is_token_in_rank)
+        send_head, sent = (handle[5], is_token_in_rank.sum(0)) if cached else kernels.send_head(is_token_in_rank)
         if num_tokens_per_rank is not None and not torch.equal(num_tokens_per_rank.to(sent), sent):
             raise ValueError("tegula.ep: dispatch: num_tokens_per_rank does not match is_token_in_rank")
         n_exp = 0 if cached else num_tokens_per_expert.numel()
@@ -370,7 +394,9 @@ class Buffer:
             OP_DISPATCH, hidden, dtype_code(x.dtype), scales[0] if scales else 0,
             dtype_code(scales[1]) if scales else -1, k, num_worst_tokens, int(cached), n_exp],
             ("operation", "hidden", "x dtype", "scale columns", "scale dtype", "num_topk", "num_worst_tokens",
-             "cached", "num_experts"), sent.tolist() + ([] if cached else num_tokens_per_expert.tolist()), x.device)
+             "cached", "num_experts"),
+            sent.cpu().numpy() if cached else np.concatenate((sent.cpu().numpy(), num_tokens_per_expert.cpu().numpy())),
+            x.device)
         counts = m[:, 9:9 + r_n]  # counts[s, r]: the rows s sends r
         prefix = counts.cumsum(0)
         if cached and (prefix != handle[0].cpu().numpy()).any():
@@ -409,7 +435,7 @@ class Buffer:
 
         def write_all(dests):  # every receiver here in one pass over the tokens: rows, scales, local top-k, ids
             return kernels.dispatch_scatter(x_c, s_c, ti_c, tw_c, send_head, self._region_of(offset, x.device),
-                                            {r: (v, int(start[me, r])) for r, v in dests.items()}, n_local,
+                                            {r: (p, int(start[me, r])) for r, p in dests.items()}, n_local,
                                             self._launches)
 
         mine = self._move(
@@ -430,8 +456,8 @@ class Buffer:
             * expert_alignment).tolist()
         # one "channel": channel_prefix_matrix [R, 1] holds what this rank sends each rank, the recv one what each
         # rank sends it
-        handle = (torch.from_numpy(prefix).to(torch.int32), torch.from_numpy(counts[me]).to(torch.int32).view(-1, 1),
-                  torch.from_numpy(counts[:, me].copy()).to(torch.int32).view(-1, 1),
+        handle = (torch.from_numpy(prefix.astype("int32")), torch.from_numpy(counts[me].astype("int32").reshape(-1, 1)),
+                  torch.from_numpy(counts[:, me].astype("int32").reshape(-1, 1)),
                   mine["src_idx"][:int(recv[me])].clone(), is_token_in_rank, send_head)
         return recv_x, mine.get("topk_idx"), mine.get("topk_weights"), per_expert, handle, EventOverlap()
 

@@ -96,6 +96,26 @@ def dispatch_scatter_kernel(word: str, W: int, sword: str, SW: int, K: int, CW: 
 
 
 @tegula.jit(target="c")
+def send_head_kernel():
+    """head[t, r] = the number of tokens before t that go to rank r if token t goes there (flag[t, r] != 0), else
+    -1; sent[r] = the number of tokens going to r. One block per rank walks the tokens in order."""
+    N = T.dynamic("N")
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def send_head(flag: T.Tensor((N, R), "uint8"), head: T.Tensor((N, R), "int32"), sent: T.Tensor((R,), "int32")):
+        with T.Kernel(R, threads=1) as r:
+            n = T.alloc_var("int32", 0)
+            for t in T.serial(N):
+                go = flag[t, r] != 0
+                head[t, r] = T.if_then_else(go, n, -1)
+                n = n + T.if_then_else(go, 1, 0)
+            sent[r] = n
+
+    return send_head
+
+
+@tegula.jit(target="c")
 def gather_sum_kernel(dtype: str, H: int, weighted: bool, nbias: int, block: int):
     """Y[t, :] = bias0[t] + bias1[t] + sum_s w[t, s] * R(idx[t, s]), summed in float32 in order s = 0..S-1 and
     rounded once to ``dtype``. R(i) is the row A[i] for 0 <= i < Na, and B[i - Na] for Na <= i < Na + Nb, where B
@@ -271,11 +291,12 @@ def copy_rows(x, src, dst, y) -> None:
 def dispatch_scatter(x, x_scales, topk_idx, topk_weights, send_head, window, dests, n_local: int,
                      cache=None) -> bool:
     """Dispatch's rows into every receiver this rank writes, in one pass over its tokens (each row read once).
-    ``dests``: {rank r: (r's arrays x, x_scales, topk_idx, topk_weights, src_idx, all views of the uint8 tensor
-    ``window``; the row where this rank's rows begin there)}. Token t goes to r at that row + send_head[t, r]
-    (int32 [T, R], -1: not sent), with its scales, its top-k made local to r's experts [r * n_local, (r + 1) *
-    n_local) (-1 and weight 0 elsewhere) and its id. x_scales and the top-k may be None. Returns False, doing
-    nothing, where the compiled kernel does not serve (the caller moves the rows another way).
+    ``dests``: {rank r: ({name: where r's array of that name begins in the uint8 tensor ``window``, in bytes} for
+    x, x_scales, topk_idx, topk_weights and src_idx; the row where this rank's rows begin there)}. Token t goes to
+    r at that row + send_head[t, r] (int32 [T, R], -1: not sent), with its scales, its top-k made local to r's
+    experts [r * n_local, (r + 1) * n_local) (-1 and weight 0 elsewhere) and its id. x_scales and the top-k may
+    be None. Returns False, doing nothing, where the compiled kernel does not serve (the caller moves the rows
+    another way).
     ``cache``: a dict owned by the caller (who keeps ``window`` alive while it holds the dict) where the kernel,
     bound once per window and shapes, is kept: a later call of the same shapes launches it without checking or
     converting any argument again."""
@@ -322,7 +343,6 @@ class _ScatterLaunch:
         win = [window.view(a.dtype) for a in src] + [window.view(torch.int32)]
         self.width = [a.shape[1] for a in src] + [1]
         self.esize = [w.element_size() for w in win]
-        self.window = window.data_ptr()
         self.base = torch.full((5, r_n), -1, dtype=torch.int64)  # row 0 of this rank's rows at each receiver
         self.base_np = self.base.numpy()
         rows = [w.as_strided((w.numel() - n + 1, n), (1, 1)) for w, n in zip(win[:4], self.width)]  # every start
@@ -334,14 +354,38 @@ class _ScatterLaunch:
     def __call__(self, xw, sw, topk_idx, topk_weights, send_head, dests):
         base = self.base_np
         base.fill(-1)
-        for r, (views, row0) in dests.items():
+        for r, (at, row0) in dests.items():
             for i, n in enumerate(self._NAMES):
-                v = views.get(n)
+                v = at.get(n)
                 if v is not None:
-                    base[i, r] = (v.data_ptr() - self.window) // self.esize[i] + row0 * self.width[i]
+                    base[i, r] = v // self.esize[i] + row0 * self.width[i]
         self.launch(xw.contiguous(), self.stand_in[0] if sw is None else sw.contiguous(),
                     self.stand_in[1] if topk_idx is None else topk_idx.contiguous(),
                     self.stand_in[2] if topk_weights is None else topk_weights.contiguous(), send_head.contiguous())
+
+
+def send_head(is_token_in_rank):
+    """-> (send_head [T, R] int32: token t's place among the tokens sent to rank r, in token order, -1 when not
+    sent; the number of tokens sent to each rank [R] int32), as layout.send_head_of, in one kernel launch (a
+    launcher bound per shape) instead of five torch operations."""
+    import torch
+    t, r = is_token_in_rank.shape
+    if t == 0 or not _compiled(is_token_in_rank):
+        from tegula.ep.layout import send_head_of
+        return send_head_of(is_token_in_rank)
+    flag = is_token_in_rank.contiguous().view(torch.uint8)
+    head = torch.empty((t, r), dtype=torch.int32)
+    sent = torch.empty(r, dtype=torch.int32)
+    launch = _SEND_HEAD_LAUNCHES.get((t, r))
+    if launch is None:
+        if len(_SEND_HEAD_LAUNCHES) >= 16:  # shapes seen long ago: drop them rather than grow without bound
+            _SEND_HEAD_LAUNCHES.clear()
+        launch = _SEND_HEAD_LAUNCHES[(t, r)] = send_head_kernel().bind(flag, head, sent)
+    launch(flag, head, sent)
+    return head, sent
+
+
+_SEND_HEAD_LAUNCHES: dict = {}  # send_head_kernel bound per [T, R]
 
 
 def gather_sum(a, b, idx, w=None, bias=(), out=None):

@@ -20,12 +20,15 @@ class Plan:
 
     def __init__(self, fields):
         self.fields, off = {}, 0
+        self._strides = []  # (name, byte offset, shape, strides in elements, dtype) for views_in
         for name, shape, dtype in fields:
-            n = 1
-            for d in shape:
+            n, strides = 1, []
+            for d in reversed(shape):
+                strides.append(n)
                 n *= d
             nbytes = n * dtype.itemsize
             self.fields[name] = (off, tuple(shape), dtype, nbytes)
+            self._strides.append((name, off, tuple(shape), tuple(reversed(strides)), dtype))
             off += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = off
 
@@ -33,6 +36,13 @@ class Plan:
         """The arrays as views of ``region`` (a uint8 tensor at least ``nbytes`` long)."""
         return {name: region[off:off + nb].view(dtype).view(shape)
                 for name, (off, shape, dtype, nb) in self.fields.items()}
+
+    def views_in(self, typed, at: int):
+        """The arrays of the region starting ``at`` bytes into a tensor seen as every dtype through
+        ``typed(dtype)`` (a 1-D tensor of that dtype over the same memory from the same start): as ``views``, one
+        torch operation per array. ``at`` must be a multiple of the arrays' element sizes."""
+        return {name: typed(dtype).as_strided(shape, strides, (at + off) // dtype.itemsize)
+                for name, off, shape, strides, dtype in self._strides}
 
     def span(self, name: str, row0: int, row1: int) -> tuple[int, int]:
         """Byte range of rows [row0, row1) of array ``name`` (rows along its first dimension)."""

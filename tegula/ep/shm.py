@@ -115,6 +115,7 @@ class ShmGroup:
         self.rank, self.world, self.size, self.timeout_s = rank, world, size, timeout_s
         self.window = mmap.mmap(-1, world * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.win = torch.frombuffer(self.window, dtype=torch.uint8)
+        self._typed = {}  # the window as other dtypes (typed)
         self._words = np.frombuffer(self.window, dtype=np.int64)
         self.segs: dict[int, Segment] = {}
         self.pids: dict[int, tuple[int | None, str | None]] = {}
@@ -132,6 +133,13 @@ class ShmGroup:
 
     def bytes(self, rank: int, offset: int, nbytes: int):
         return self.win[rank * self.size + offset:rank * self.size + offset + nbytes]
+
+    def typed(self, dtype):
+        """The whole window as a 1-D ``dtype`` tensor (made once per dtype)."""
+        t = self._typed.get(dtype)
+        if t is None:
+            t = self._typed[dtype] = self.win.view(dtype)
+        return t
 
     def _map(self, rank: int, path: str, create: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -177,6 +185,7 @@ class ShmGroup:
             os.close(seg.fd)
         self.segs.clear()
         self._words = self.win = None
+        self._typed.clear()
         try:
             self.window.close()
         except BufferError:  # views handed out still hold the window; it is unmapped with the last of them

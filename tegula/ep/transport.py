@@ -152,8 +152,9 @@ class Comm:
         if self.failed:
             raise PeerFailure(f"tegula.ep: {what}: this Buffer is unusable after an earlier failure ({self.failed})")
 
-    def exchange(self, what: str, meta: list[int], device):
-        """Enter the next operation and trade metadata: returns an int64 numpy array [world, len(meta)]."""
+    def exchange(self, what: str, meta, device):
+        """Enter the next operation and trade metadata (int64 values: a list or a 1-D numpy array): returns an
+        int64 numpy array [world, len(meta)]."""
         import numpy as np
         self.check(what)
         if self.any_dist(device):
@@ -178,11 +179,18 @@ class Comm:
     def region(self, rank: int, offset: int, nbytes: int, reserve=()):
         """Bytes [offset, offset+nbytes) of ``rank``'s segment as a uint8 tensor, after reserving the byte
         ranges in ``reserve`` (relative to ``offset``) that are about to be written."""
+        self.place(rank, offset, nbytes, reserve)
+        return self.shm.bytes(rank, offset, nbytes)
+
+    def place(self, rank: int, offset: int, nbytes: int, reserve=()) -> int:
+        """Where ``region`` would begin in the window of this machine's segments (bytes), after the same checks
+        and reservation; no tensor made."""
         if offset + nbytes > self.shm.size:
             raise ValueError(f"tegula.ep: region [{offset}, {offset + nbytes}) is past the segment "
                              f"({self.shm.size} B)")
-        self.shm.reserve(rank, [(offset + a, offset + b) for a, b in reserve])
-        return self.shm.bytes(rank, offset, nbytes)
+        if reserve:
+            self.shm.reserve(rank, [(offset + a, offset + b) for a, b in reserve])
+        return rank * self.shm.size + offset
 
     def window_offset(self, t) -> int | None:
         """Where tensor ``t`` starts in the window of this machine's segments (bytes), if it lies in this rank's

@@ -95,7 +95,7 @@ def _scatter_round(scales, k, h, first, cache, seed):
     window = _WINDOW.fill_(0x5A)  # the same window every round
     before = window.clone()
     views = [p.views(window[at[r]:at[r] + p.nbytes]) for r, p in enumerate(plans)]
-    dests = {r: (views[r], first + r) for r in (0, 2, 3)}
+    dests = {r: ({f: v.data_ptr() - window.data_ptr() for f, v in views[r].items()}, first + r) for r in (0, 2, 3)}
     assert kernels.dispatch_scatter(x, xs, ti, tw, send_head, window, dests, n_local, cache)
     for r in range(r_n):
         if r not in dests:
@@ -133,3 +133,34 @@ def test_empty_reuses_a_mapping_only_once_nothing_refers_to_it():
     assert d.data_ptr() == first
     assert kernels.empty((3, 5), dtype, "cpu").shape == (3, 5)  # small ones are plain torch tensors
     assert len(kernels._POOL) <= kernels._POOL_SIZE
+
+
+@needs_c
+@pytest.mark.parametrize("t,r", [(1, 1), (37, 3), (300, 8), (5, 2)])
+def test_send_head_matches_the_torch_layout(t, r):
+    """Twice per shape (the second call through the launcher the first bound); a rank nobody sends to, and on
+    (5, 2) every token to every rank."""
+    from tegula.ep.layout import send_head_of
+    g = torch.Generator().manual_seed(t + r)
+    for _ in range(2):
+        in_rank = torch.rand((t, r), generator=g) < 0.5 if t != 5 else torch.ones((t, r), dtype=torch.bool)
+        if r > 2:
+            in_rank[:, 1] = False
+        head, sent = kernels.send_head(in_rank)
+        want_head, want_sent = send_head_of(in_rank)
+        assert head.dtype == sent.dtype == torch.int32
+        assert torch.equal(head, want_head) and torch.equal(sent, want_sent)
+
+
+def test_plan_views_in_a_typed_window_equal_its_views():
+    from tegula.ep.layout import dispatch_plan
+    window = torch.arange(1 << 16, dtype=torch.int64).view(torch.uint8)
+    plan = dispatch_plan(7, 96, torch.bfloat16, (3, torch.float32), 4)
+    at = 4096 + 64
+    typed = {}
+    got = plan.views_in(lambda d: typed.setdefault(d, window.view(d)), at)
+    want = plan.views(window[at:at + plan.nbytes])
+    assert set(got) == set(want)
+    for f, v in want.items():
+        assert got[f].data_ptr() == v.data_ptr() and got[f].shape == v.shape and got[f].stride() == v.stride()
+        assert got[f].dtype == v.dtype and torch.equal(got[f], v)
