@@ -5,7 +5,12 @@ One block per (query tile of BM rows, query head, sequence): it reads the sequen
 lengths, walks the key tiles of BN keys the tile may see (with ``causal``, aligned to the bottom-right: query i of a
 sequence with lq queries and lk keys sees keys j <= i + lk - lq), and keeps the online softmax of
 examples/flash_attention.py. Tiles wholly inside the sequence and below the diagonal skip the mask; the others
-mask by select and zero the value rows past the sequence (those rows belong to the next sequence).
+mask by select and zero the value rows past the sequence (those rows belong to the next sequence). The grid takes
+each head's query tiles last first: with ``causal`` a tile's cost grows with its index and the threads take blocks
+in grid order, a few at a time, so the grid ends on the cheapest tiles and the threads finish together. s 2048 h 16
+d 128, BM 128: per-block CPU times measured on one thread (fp32 0.11 ms for the first query tile ... 1.77 ms for
+the last) replayed through the 2-thread schedule (chunks of 2 blocks) give a makespan 1.0% above an even split in
+grid order, 0.1% last first (bf16 1.1% -> 0.0%).
 
 float32 runs key-major: the block keeps Q^T and computes the scores transposed, S^T = K Q^T (keys x queries), so
 that the c target's prelude GEMM packs no operand (fp32 A either way round and an untransposed fp32 B are read as
@@ -90,7 +95,7 @@ def flash_varlen(h_q, h_kv, d, dv, causal, dtype, block_m=64, block_n=64, num_st
             lq = CuQ[bz + 1] - q0
             k0 = CuK[bz]
             lk = CuK[bz + 1] - k0
-            m0 = bx * BM
+            m0 = (m_tiles - 1 - bx) * BM   # the costliest (causal: last) query tiles first, so the grid ends light
             kvh = by // hpk
             sl2 = scale * LOG2E
             if m0 < lq:
