@@ -162,6 +162,10 @@ class CEmitter(CFamilyEmitter):
     def compress_loop(self, s: S.For, plan):
         self.uses_compress = True
         cnt, decls, cond, stores, reds = plan
+        # 16-bit elements: 32 per group, their conditions in 16-bit lanes (tg_mask32_16 / tg_compress32_16)
+        narrow = stores[0].buffer.dtype.bits == 16
+        lanes, sel_t, mask_fn, comp_fn = ((2 * CLANES, "int16_t", "tg_mask32_16", "tg_compress32_16") if narrow else
+                                          (CLANES, "int32_t", "tg_mask16", "tg_compress16_32"))
         n, v = self.nm(cnt), self.nm(s.var)
         jb, ln, end, mk, sel = (self.fresh(x) for x in ("tg_jb", "tg_l", "tg_end", "tg_mask", "tg_sel"))
         vals = [self.fresh("tg_val") for _ in stores]
@@ -170,32 +174,32 @@ class CEmitter(CFamilyEmitter):
         start, ext = self.ex(s.start), self.ex(s.extent)
         self.w(f"const int32_t {end} = {start} + {ext};")
         self.w(f"int32_t {jb} = {start};")
-        self.w(f"for (; {jb} <= {end} - {CLANES}; {jb} += {CLANES}) {{")
+        self.w(f"for (; {jb} <= {end} - {lanes}; {jb} += {lanes}) {{")
         self.ind += 1
-        self.w(f"int32_t {sel}[{CLANES}] __attribute__((aligned(64)));")
+        self.w(f"{sel_t} {sel}[{lanes}] __attribute__((aligned(64)));")
         for a, st in zip(vals, stores):
-            self.w(f"{STORAGE[st.buffer.dtype.name]} {a}[{CLANES}] __attribute__((aligned(64)));")
+            self.w(f"{STORAGE[st.buffer.dtype.name]} {a}[{lanes}] __attribute__((aligned(64)));")
         # the min / max updates as omp simd reductions: each group's lanes are combined into the scalar (kept
         # per lane across groups instead, gcc stores them to memory around the compressing stores, and the
         # next group waits for them)
         self.w("#pragma omp simd" + "".join(f" reduction({op}:{self.nm(var)})" for op, var, _ in reds))
-        self.w(f"for (int32_t {ln} = 0; {ln} < {CLANES}; ++{ln}) {{")
+        self.w(f"for (int32_t {ln} = 0; {ln} < {lanes}; ++{ln}) {{")
         self.ind += 1
         self.w(f"const int32_t {v} = {jb} + {ln};")
         for d in decls:
             self.stmt(d)
         c = self.fresh("tg_c")
         self.w(f"const bool {c} = {self.ex(cond)};")
-        self.w(f"{sel}[{ln}] = -(int32_t){c};")
+        self.w(f"{sel}[{ln}] = -({sel_t}){c};")
         for a, st in zip(vals, stores):
             self.w(f"{a}[{ln}] = ({STORAGE[st.buffer.dtype.name]})({self.store_value(st.buffer, st.value)});")
         for op, var, value in reds:
             self.w(f"{self.nm(var)} = {c} ? {self.ex(value)} : {self.nm(var)};")
         self.ind -= 1
         self.w("}")
-        self.w(f"const uint32_t {mk} = tg_mask16({sel});")
+        self.w(f"const uint32_t {mk} = {mask_fn}({sel});")
         for a, st in zip(vals, stores):
-            self.w(f"tg_compress16_32(&{self.nm(st.buffer)}[{self.flat(st.buffer, st.indices)}], {a}, {mk});")
+            self.w(f"{comp_fn}(&{self.nm(st.buffer)}[{self.flat(st.buffer, st.indices)}], {a}, {mk});")
         self.w(f"{n} += (int32_t)__builtin_popcount({mk});")
         self.ind -= 1
         self.w("}")
@@ -275,7 +279,8 @@ def _compress_plan(s: S.For):
         for j in T.serial(n):
             x = ...                      # locals declared in the loop, any number
             if cond:
-                buf[cnt] = value         # one or more 1-D buffers of 32-bit elements, indexed by cnt alone
+                buf[cnt] = value         # one or more 1-D buffers of 32-bit (or all 16-bit integer) elements,
+                                         # indexed by cnt alone
                 acc = T.max(acc, e)      # optional min / max updates of integer scalars declared outside
                 cnt = cnt + 1
 
@@ -283,7 +288,7 @@ def _compress_plan(s: S.For):
     else in the loop; the stored values and updates free of integer division and of loads that the
     declarations or the condition do not make anyway, since they are computed for every iteration); else None.
     Such a loop appends the values that pass, in order, at cnt: a compressing store, what ``compress_loop``
-    emits."""
+    emits. Buffers of 16-bit integers (all of one width) go 32 iterations at a time (vpcompressw)."""
     if s.kind != "serial" or s.step != 1 or s.annotations:
         return None
     items = _flat([s.body])
@@ -298,7 +303,8 @@ def _compress_plan(s: S.For):
         if isinstance(t, S.Store):
             b = t.buffer
             if cnt is not None or len(t.indices) != 1 or b.dtype.is_float and b.dtype != dt.float32 or \
-                    b.dtype.bits != 32 or not isinstance(t.indices[0], E.Var) or id(_root(b)) in seen:
+                    b.dtype.bits not in (16, 32) or not isinstance(t.indices[0], E.Var) or id(_root(b)) in seen or \
+                    stores and stores[0].buffer.dtype.bits != b.dtype.bits:
                 return None
             seen.add(id(_root(b)))
             stores.append(t)

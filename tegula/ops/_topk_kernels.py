@@ -12,8 +12,10 @@ index order, to the candidate buffer. When the buffer holds k + b2 entries a sel
 (a search over the candidates' own key range, each step one vectorised count of the candidates above a key),
 keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
 up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys; short 16-bit rows with
-k >= n / 8 instead find the exact k-th key by counting passes over the row (short_row). Candidates stay in
-index order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
+k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k in one more
+pass (short_row; by compressing stores of 16-bit keys and positions where k >= n / DENSE_KEEP). Candidates stay
+in index order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits,
+stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
@@ -40,6 +42,8 @@ PAD = CHUNK + 256         # ck, ci are CAP + PAD long: room for a last whole chu
                           # 4 KiB from each other and from tk/ti, so stores do not falsely alias loads (4K aliasing)
 SHORT_MAX = 1 << 16       # rows of 16-bit keys up to this long with k >= SHORT_MU / SAMPLE of them (k/n >= 1/8)
 SHORT_MU = 64             # find their k-th key by counting passes (short_row); below, top_range is faster
+DENSE_KEEP = 5            # short_row keeps its top k by compressing stores where k >= n / DENSE_KEEP, else by
+                          # walking set bits (1 thread CPU time, alternated: 8K k2048 -16%, k/n = 1/8 +1..14%)
 INT_MIN = -(1 << 31)
 INT_MAX = (1 << 31) - 1
 NAN_FLAG = 0x3F3F3F3F     # DeepSelect's marker in indices[row, 0] of a row holding NaN
@@ -87,6 +91,8 @@ def _state(raw):
     if raw == "int16":   # pass2's masks over 16-bit keys read in place: SUB16 keys each
         b.fb16 = T.alloc_fragment((CHUNK // SUB16, SUB16), "uint64")
         b.masks16 = T.alloc_fragment((CHUNK // SUB16,), "uint64")
+        b.k16 = T.alloc_fragment((KMAX,), "int16")   # short_row's kept keys and positions (- 2^15), 16-bit
+        b.p16 = T.alloc_fragment((KMAX,), "int16")
     return b
 
 
@@ -178,7 +184,8 @@ def _macros(bits):
 
     @T.macro
     def search_kth(lo0, hi0, c_lo0, c_hi0, k, count, args, dtype):
-        """(the largest key lo with count(args, lo) >= k, count(args, hi) for the key hi above it), searched in
+        """(the largest key lo with count(args, lo) >= k, count(args, lo), count(args, hi) for the key hi above
+        it), searched in
         [lo0, hi0) by keys of ``dtype`` from count(args, lo0) = c_lo0 >= k > count(args, hi0) = c_hi0:
         interpolation of the counts alternating with bisection (a step that does not halve the range is
         followed by a bisection)."""
@@ -202,7 +209,7 @@ def _macros(bits):
                 hi = mid
                 c_hi = c
             bisect = T.cast(2 * (hi - lo) > width, "int32") * (1 - bisect)
-        return lo, c_hi
+        return lo, c_lo, c_hi
 
     @T.macro
     def top_count(args, t):
@@ -222,8 +229,9 @@ def _macros(bits):
             if cnt + i < nch * CHUNK:
                 b.ck[cnt + i] = INT_MIN
         # the search runs in int64: 32-bit keys span up to 2^32
-        return search_kth(T.cast(b.st[3], "int64"), T.cast(b.st[2], "int64") + 1, cnt, T.cast(0, "int32"), k,
-                          top_count, (b, nch), "int64")
+        kth, _, above = search_kth(T.cast(b.st[3], "int64"), T.cast(b.st[2], "int64") + 1, cnt, T.cast(0, "int32"),
+                                   k, top_count, (b, nch), "int64")
+        return kth, above
 
     @T.macro
     def select(b, k):
@@ -458,7 +466,55 @@ def _macros(bits):
                 hi = lo
                 c_hi = c
                 lo = KEY_MIN
-        lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, row_count, (b, src, row, length), "int32")
+        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, row_count, (b, src, row, length), "int32")
+        if k * DENSE_KEEP >= length:
+            keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
+        else:
+            keep_walk(b, src, row, length, k, lo, c_hi)
+
+    @T.macro
+    def keep_dense(b, src, row, length, k, lo, c_lo, c_hi):
+        """short_row's last pass where k >= length / DENSE_KEEP: the keys of src[row, :length] above lo, the
+        k-th largest key, and the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo),
+        in index order, into the candidates."""
+        # lo is the k-th largest key: keep all keys above it and the first `need` equal to it, those up to
+        # position lim (the whole row when every key equal to lo is kept)
+        need = k - c_hi
+        lim = length
+        if need < c_lo - c_hi:
+            lim = nth_equal(b, src, row, length, lo, need)
+        # one loop in the compress form over 16-bit keys and positions (length <= SHORT_MAX = 2^16): the c
+        # target appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a
+        # branch and a mispredict per kept key (a fifth of the row or more). Widened to ck/ci after.
+        lo_raw = T.cast(lo, raw_t)
+        lim_p = lim - 32768   # positions as int16, offset by 2^15 (the order of p is that of p - 2^15)
+        nfull = length // CHUNK
+        w = T.cast(0, "int32")
+        for c in T.serial(nfull):
+            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
+            for j in T.serial(CHUNK):
+                kv = key_raw(b.xs[j])
+                p = T.cast(c * CHUNK + j - 32768, raw_t)
+                if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
+                    b.k16[w] = kv
+                    b.p16[w] = p
+                    w = w + 1
+        for j in T.serial(length - nfull * CHUNK):
+            kv = key_raw(src[row, nfull * CHUNK + j])
+            p = T.cast(nfull * CHUNK + j - 32768, raw_t)
+            if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
+                b.k16[w] = kv
+                b.p16[w] = p
+                w = w + 1
+        for i in T.Parallel(w):
+            b.ck[i] = T.cast(b.k16[i], "int32")
+            b.ci[i] = T.cast(b.p16[i], "int32") + 32768
+        b.st[0] = w
+
+    @T.macro
+    def keep_walk(b, src, row, length, k, lo, c_hi):
+        """short_row's last pass where k < length / DENSE_KEEP (below, walking the set bits of ballot words
+        costs less than compressing every key): as keep_dense."""
         need = k - c_hi   # lo is the k-th largest key: keep all keys above it and `need` equal to it
         cnt = T.cast(0, "int32")
         nfull = length // CHUNK
@@ -488,6 +544,41 @@ def _macros(bits):
                 b.ci[cnt] = nfull * CHUNK + j
                 cnt = cnt + 1
         b.st[0] = cnt
+
+    @T.macro
+    def nth_equal(b, src, row, length, kv, nth):
+        """The position of the nth (1-based) key equal to kv in src[row, :length] (which holds at least nth):
+        one bit mask per SUB16 keys compared in their own width (a ballot) and its popcount per step, the word
+        that holds it walked; chunks after it are skipped."""
+        kr = T.cast(kv, raw_t)
+        left = nth
+        pos = T.cast(length - 1, "int32")
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            if left > 0:
+                T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
+                for s, j in T.Parallel(CHUNK // SUB16, SUB16):
+                    b.fb16[s, j] = T.cast(key_raw(b.xs[s * SUB16 + j]) == kr, "uint64") << T.cast(j, "uint64")
+                T.reduce_sum(b.fb16, b.masks16, dim=1)
+                for s in T.serial(CHUNK // SUB16):
+                    m = b.masks16[s]
+                    pc = T.cast(T.popcount(m), "int32")
+                    if left > 0:
+                        if pc >= left:
+                            while left > 1:
+                                m = m & (m - 1)
+                                left = left - 1
+                            pos = c * CHUNK + s * SUB16 + 63 - T.cast(T.clz(m & (0 - m)), "int32")
+                            left = 0
+                        else:
+                            left = left - pc
+        for j in T.serial(length - nfull * CHUNK):
+            if left > 0:
+                if key_of(src[row, nfull * CHUNK + j]) == kv:
+                    left = left - 1
+                    if left == 0:
+                        pos = nfull * CHUNK + j
+        return pos
 
     @T.macro
     def sort_by_value(b, cnt):

@@ -2,11 +2,12 @@
 
 Ballot: a reduction ``acc += T.cast(cond, u) << T.cast(j, u)`` over 16..64 iterations (a T.reduce_sum of distinct
 bits) becomes a vector compare whose lanes tg_mask16 turns into bits. Compress: a serial loop ``if cond:
-buf[n] = v; n = n + 1`` (min / max updates allowed) runs in groups of 16 with compressing stores. Both are plain
-T.* code whose meaning interp defines; the c results must equal interp's on edge cases (no survivors, all,
-extents that are not a multiple of 16), and loops that do not have the form are emitted as written. The
-prelude routines are built once per ISA path the host can run (AVX-512, AVX2 + BMI2, plain C: each forced by
-undefining the macros of the paths above it).
+buf[n] = v; n = n + 1`` (min / max updates allowed) runs in groups of 16 with compressing stores (of 32 where the
+buffers hold 16-bit integers). Both are plain T.* code whose meaning interp defines; the c results must equal
+interp's on edge cases (no survivors, all, extents that are not a multiple of the group), and loops that do not
+have the form are emitted as written. The prelude routines are built once per ISA path the host can run
+(AVX-512, AVX-512 without VBMI2, AVX2 + BMI2, plain C: each forced by undefining the macros of the paths above
+it).
 """
 import ctypes
 import os
@@ -128,6 +129,53 @@ def test_compress_equals_interp(n, vdtype, with_minmax):
             assert torch.equal(a, b), (n, t, outs)
 
 
+def compress16_kernel(n, kdtype="int16", vdtype="uint16"):
+    """The keys X[j] * 3 > t (as kdtype) and j + 7 (as vdtype) appended in order to on-chip buffers, copied out with
+    the count: 16-bit buffers (32 per group) when both are 16-bit, else a mixed loop."""
+    @T.prim_func
+    def compress16(X: T.Tensor((n,), "int16"), K: T.Tensor((n + 1,), kdtype), V: T.Tensor((n + 1,), vdtype),
+                   C: T.Tensor((1,), "int32"), t: T.int32):
+        with T.Kernel(1, threads=1) as _:
+            ck = T.alloc_shared((n + 1,), kdtype)
+            cv = T.alloc_shared((n + 1,), vdtype)
+            cnt = T.cast(0, "int32")
+            for j in T.serial(n):
+                kv = T.cast(X[j], "int32") * 3
+                if kv > t:
+                    ck[cnt] = T.cast(kv, kdtype)
+                    cv[cnt] = T.cast(j + 7, vdtype)
+                    cnt = cnt + 1
+            for i in T.serial(cnt):
+                K[i] = ck[i]
+                V[i] = cv[i]
+            C[0] = cnt
+    return compress16
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100, 512, 1000])
+@pytest.mark.parametrize("kdtype,vdtype", [("int16", "uint16"), ("int16", "int16"), ("int16", "int32")])
+def test_compress16_equals_interp(n, kdtype, vdtype):
+    # 16-bit buffers go 32 at a time (tg_compress32_16); buffers of two widths are not the form (as written)
+    f = compress16_kernel(n, kdtype, vdtype)
+    kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
+    src = kc.get_kernel_source()
+    assert ("tg_compress32_16(" in src) == (vdtype != "int32") and "tg_compress16_32(" not in src
+    store_dt = {"int16": torch.int16, "uint16": torch.int16, "int32": torch.int32}
+    view_dt = {"int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32}
+    torch.manual_seed(n)
+    for t in (-10**6, 0, 10**6, 150):   # all survive, about half, none, a few
+        x = torch.randint(-100, 100, (n,), dtype=torch.int16)
+        outs = []
+        for k in (kc, ki):
+            ok = torch.full((n + 1,), -7, dtype=store_dt[kdtype])
+            ov = torch.full((n + 1,), -7, dtype=store_dt[vdtype])
+            c = torch.zeros(1, dtype=torch.int32)
+            k(x, ok.view(view_dt[kdtype]), ov.view(view_dt[vdtype]), c, t)
+            outs.append((ok, ov, c))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (n, t, outs)
+
+
 def test_guarded_loads_are_not_speculated():
     # X[j + 1] is read only where j + 1 < n: computing it for every lane could read past X, so not compressed
     n = 40
@@ -216,8 +264,10 @@ def test_other_loops_equal_interp(vdtype, step):
 
 def _paths():
     out = subprocess.run([CC, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
-    have = {m for m in ("__AVX512F__", "__AVX2__", "__BMI2__") if f"#define {m} " in out}
+    have = {m for m in ("__AVX512F__", "__AVX2__", "__BMI2__", "__AVX512VBMI2__") if f"#define {m} " in out}
     paths = [("native", [])]
+    if "__AVX512VBMI2__" in have:
+        paths.append(("AVX-512 without VBMI2", ["__AVX512VBMI2__"]))
     if "__AVX512F__" in have and {"__AVX2__", "__BMI2__"} <= have:
         paths.append(("AVX2 + BMI2", ["__AVX512F__"]))
     paths.append(("plain C", ["__AVX512F__", "__AVX2__"]))
@@ -229,6 +279,8 @@ DRIVER = r"""
 uint32_t mask16(const int32_t *m) { return tg_mask16(m); }
 uint32_t mask16_16(const int16_t *m) { return tg_mask16_16(m); }
 void compress16(void *d, const void *s, uint32_t mask) { tg_compress16_32(d, s, mask); }
+uint32_t mask32_16(const int16_t *m) { return tg_mask32_16(m); }
+void compress32_16(void *d, const void *s, uint32_t mask) { tg_compress32_16(d, s, mask); }
 """
 
 
@@ -256,6 +308,18 @@ def test_prelude_every_path(tmp_path, name, undef):
         keep = [src_vals[i].item() for i in range(16) if mask >> i & 1]
         assert dst[4:4 + len(keep)].tolist() == keep, (name, hex(mask))
         assert (dst[:4] == 99).all() and (dst[4 + len(keep):] == 99).all(), (name, hex(mask))  # nothing else
+    lib.mask32_16.argtypes = [ctypes.c_void_p]
+    lib.mask32_16.restype = ctypes.c_uint32
+    lib.compress32_16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
+    src16 = torch.randint(-2**15, 2**15 - 1, (32,), dtype=torch.int16, generator=g)
+    for mask in (0, 1, 0x80000000, 0xFFFFFFFF, 0x7FFFFFFF, 0xFFFF0000, 0x0000FFFF, 0x5A5A5A5A, 0x00018000, 123456789):
+        lanes = torch.tensor([-(mask >> i & 1) * (i + 3) for i in range(32)], dtype=torch.int16)
+        assert lib.mask32_16(lanes.data_ptr()) == mask, (name, hex(mask))
+        dst = torch.full((32 + 16,), 99, dtype=torch.int16)
+        lib.compress32_16(dst.data_ptr() + 8 * 2, src16.data_ptr(), mask)
+        keep = [src16[i].item() for i in range(32) if mask >> i & 1]
+        assert dst[8:8 + len(keep)].tolist() == keep, (name, hex(mask))
+        assert (dst[:8] == 99).all() and (dst[8 + len(keep):] == 99).all(), (name, hex(mask))
 
 
 def test_popcount_of_a_scalar_local():

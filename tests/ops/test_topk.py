@@ -203,6 +203,21 @@ def test_special_values(dtype):
             check(rows, k, v, i, by_value=s)
 
 
+@pytest.mark.parametrize("n,k", [(8192, 2048), (3000, 1000), (20000, 2600), (8192, 512)])
+def test_ties_at_the_kth_value_keep_the_lowest_indices(n, k):
+    # rows of few distinct values (the k-th value is shared by many keys): those equal to it that are kept are
+    # the first ones in the row (short rows with k >= n / 8 find them by counting, the others in their buffer)
+    x = torch.randint(-6, 7, (3, n)).to(BF16)
+    x[2, n // 3:] = 1.0   # the k-th value runs to the end of the row
+    v, i = topk(x, k)
+    check(x, k, v, i)
+    for r in range(3):
+        kth = v[r].float().min()
+        eq = (x[r].float() == kth).nonzero().flatten()
+        kept = i[r][v[r].float() == kth].sort().values
+        assert torch.equal(kept, eq[:kept.numel()]), r
+
+
 # NaN ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [BF16, F32])

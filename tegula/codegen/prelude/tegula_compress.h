@@ -3,10 +3,16 @@
  * becomes (the emitter's compress idiom, tegula/codegen/c.py). Its iterations run in groups of 16: a vector
  * loop computes the 16 conditions and values into small arrays, tg_mask16 turns the conditions into a bit mask
  * and tg_compress16_32 appends the values whose bit is set, in lane order, at dst (it writes exactly popcount
- * elements: nothing past them). Only 32-bit elements; the emitter keeps the plain loop for other widths.
+ * elements: nothing past them). 32-bit elements (16-bit integers: below); the emitter keeps the plain loop for
+ * other widths.
  * AVX-512: vpcompressd into a register and a masked store (the memory form of vpcompressd is slow on Zen 4);
  * AVX2 + BMI2: a permutation of each 8-lane half built from the mask (pdep / pext) and a masked store;
- * elsewhere plain C that walks the set bits. */
+ * elsewhere plain C that walks the set bits.
+ * 16-bit integers go 32 per group (tg_mask32_16, tg_compress32_16): vpcompressw where AVX-512 VBMI2 is, else
+ * plain C.
+ * Their 32 lanes are read as two 256-bit halves: gcc's vector loops over 16-bit lanes store them so where the
+ * tuning prefers 256-bit vectors (Zen 4), and a 512-bit load of two 256-bit stores is not forwarded (it waits for
+ * both stores to complete: measured, most of the time of such a loop). */
 #ifndef TEGULA_COMPRESS_H
 #define TEGULA_COMPRESS_H
 #include <stdint.h>
@@ -78,6 +84,35 @@ static inline void tg_compress16_32(void *dst, const void *src, uint32_t mask) {
 #else
     uint32_t *d = (uint32_t *)dst;
     const uint32_t *s = (const uint32_t *)src;
+    while (mask) {
+        *d++ = s[__builtin_ctz(mask)];
+        mask &= mask - 1u;
+    }
+#endif
+}
+
+/* bit l of the result is set when m[l] != 0, for 32 lanes of 16 bits */
+static inline uint32_t tg_mask32_16(const int16_t *m) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)m)),
+                                   _mm256_loadu_si256((const __m256i *)(m + 16)), 1);
+    return (uint32_t)_mm512_test_epi16_mask(v, v);
+#else
+    return tg_mask16_16(m) | (tg_mask16_16(m + 16) << 16);
+#endif
+}
+
+/* append the 16-bit elements src[l] with bit l of mask set, in order, at dst: popcount(mask) stores */
+static inline void tg_compress32_16(void *dst, const void *src, uint32_t mask) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__)
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)src)),
+                                   _mm256_loadu_si256((const __m256i *)src + 1), 1);
+    __m512i c = _mm512_maskz_compress_epi16((__mmask32)mask, v);
+    uint32_t n = (uint32_t)__builtin_popcount(mask);
+    _mm512_mask_storeu_epi16(dst, (__mmask32)(n == 32 ? 0xFFFFFFFFu : (1u << n) - 1u), c);
+#else
+    uint16_t *d = (uint16_t *)dst;
+    const uint16_t *s = (const uint16_t *)src;
     while (mask) {
         *d++ = s[__builtin_ctz(mask)];
         mask &= mask - 1u;
