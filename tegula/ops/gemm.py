@@ -218,9 +218,16 @@ def _block_m(m: int) -> int:
     return b
 
 
-def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
+def _fit_n(n: int, widths: tuple) -> int:
+    """The first of ``widths`` whose blocks pad n the least: a last block's columns past n are computed all the same
+    (the tile GEMM runs on whole tiles), 9% of the work at n = 2112 in 256-column blocks, none in 192-column ones."""
+    return min(widths, key=lambda w: ceil_div(n, w) * w)
+
+
+def _tiles(m: int, k: int, fp8: bool, grouped: bool = False, n: int = 0) -> tuple:
     """(block_m, block_n, chunk_k) for m rows: few rows take the next power of two (a decode step computes no idle
-    rows), many take 256 x 128 tiles (128-row blocks for grouped layouts, whose groups are aligned to 128)."""
+    rows), many take 256 x 128 tiles (128-row blocks for grouped layouts, whose groups are aligned to 128). Dense
+    blocks of 256 rows take a width that fits n (``_fit_n``; n = 0: unknown)."""
     bm = _block_m(m) if m < 256 or grouped else 256
     if grouped:
         bm = min(bm, _grouped_block_m())
@@ -236,7 +243,7 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False) -> tuple:
         c = max(d for d in range(1, kb + 1) if kb % d == 0 and 64 * d * SF_K * esize <= 1 << 20)
         return bm, 16 if bm == 1 or (bm <= 4 and k >= 2048) else 64, c * SF_K
     if not fp8:
-        return bm, 256 if bm == 256 else 128, 256 if k > 128 else 128
+        return bm, (_fit_n(n, (256, 192, 128)) if bm == 256 else 128), 256 if k > 128 else 128
     ck = next(c for c in ((4, 2, 1) if bm <= 64 or grouped else (2, 1)) if kb % c == 0) * SF_K
     return bm, 256 if grouped and bm == 128 else 128, ck
 
@@ -295,7 +302,7 @@ def _bf16_gemm(a, b, d, c):
     b_s, tb = _storage("b", b)
     if m == 0 or n == 0 or not _start(d, c, k):
         return
-    bm, bn, ck = _tiles(m, k, False)
+    bm, bn, ck = _tiles(m, k, False, n=n)
     kern = _kernel(K_.mk_gemm, "dense", n, k, 1, "bfloat16", ta, not tb, _dt(d.dtype), acc,
                    "float32", 1, 1, 1, bm, bn, ck)
     kern(a_s, _dummy((1, 1), torch.float32), b_s.unsqueeze(0), _dummy((1, 1, 1), torch.float32), d,

@@ -5,14 +5,16 @@ registers. Where the CPU's prelude GEMM computes a gemm as dot products read str
 of A, B transposed: a decode step's x @ W^T), staging the tiles first is a second pass over the weights (read
 global, write the staging buffer, read it again) that never overlaps the product: there the gemms take the global
 tiles themselves (measured on one core at 1 x 2112 x 7168, weights from DRAM: fp8 1.8-2.0 -> 1.1-1.4 ms, bf16
-2.7-3.1 -> 1.7-1.9 ms, M = 4 fp8 2.4 -> 2.0 ms). Where the prelude packs B into panels anyway, the staged tile
-is kept: packing 64 rows x 128 of K in place from a weight matrix was 24% slower at M = 16.
+2.7-3.1 -> 1.7-1.9 ms, M = 4 fp8 2.4 -> 2.0 ms). Where the prelude packs B into panels for a few rows, the staged
+tile is kept: packing 64 rows x 128 of K in place from a weight matrix was 24% slower at M = 16. Compute-bound
+tiles (128 x 128 of C or more, B transposed) read in place too: each packed panel serves 128 rows or more, and the
+copy was up to 6% of a 4096-row GEMM (tileops.gemm.reads_in_place).
 
 The pass applies to a copy ``T.copy(G[...], S)`` when it can prove that this changes nothing:
 - S is an on-chip buffer (no T.reshape view of it) written whole by this copy and by nothing else, of G's dtype
   (the copy converts nothing), and every read of S anywhere is an A or B operand of a T.gemm that follows the
   copy in the same statement list (or nested in a later statement of it), each of them one the prelude computes
-  by dot products (tileops.gemm.reads_b_in_place);
+  by dot products or a compute-bound tile (tileops.gemm.reads_in_place);
 - the copy's source starts name only loop and block indices, scalar parameters and locals assigned once, and
   loads of global tensors the kernel never writes, so they mean the same at each gemm as at the copy;
 - G's elements are 2- or 1-byte and its last dimension is contiguous.
@@ -33,7 +35,7 @@ from tegula.ir import stmt as S
 from tegula.ir.buffer import Region
 from tegula.passes import rewrite
 from tegula.tileops.common import tile_in_bounds
-from tegula.tileops.gemm import reads_b_in_place
+from tegula.tileops.gemm import reads_in_place
 
 
 def run(func: S.PrimFunc, target) -> S.PrimFunc:
@@ -78,7 +80,7 @@ class _Facts:
         if not _covers(dst) or self.writes.get(id(sb)) != [c] or dims is None or dims[-1][1] != g.ndim - 1:
             return False
         readers = _gemm_readers(self.stmts, sb)
-        if readers is None or not all(reads_b_in_place(r) for r in readers):
+        if readers is None or not all(reads_in_place(r) for r in readers):
             return False
         for x in src.starts:
             for e in rewrite.sub_exprs(E.as_expr(x)):

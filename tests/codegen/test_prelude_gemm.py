@@ -51,7 +51,7 @@ CONSTANT_CALLS = [
 ]
 # (M, N, K) of e4m3 block-scaled calls compiled with constant arguments, as the fp8 decode kernels make them
 SCALED_CONSTANT = [(1, 16, 7168), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536), (4, 64, 2048), (8, 16, 256),
-                   (3, 33, 2176)]
+                   (3, 33, 2176), (256, 128, 256), (40, 70, 384)]
 SHAPES = [
     (1, 128, 128),
     (17, 33, 7),
@@ -327,7 +327,10 @@ def test_gemm_block_scaled_matches_numpy(lib, dt):
     rng = np.random.default_rng(7)
     for m, n, k, kb in [(1, 16, 256, 128), (2, 5, 128, 128), (3, 33, 2176, 128), (4, 16, 1152, 128),
                         (4, 64, 2048, 128), (5, 17, 2048, 64), (8, 40, 2048, 128), (4, 9, 300, 100),
-                        (2, 70, 2048, 256), (6, 20, 4096, 128)]:
+                        (2, 70, 2048, 256), (6, 20, 4096, 128),
+                        # more rows: the panel path, each register block's product scaled into C
+                        (9, 20, 256, 128), (16, 40, 512, 128), (70, 150, 384, 128), (130, 33, 256, 64),
+                        (12, 40, 512, 256)]:
         _check_scaled(lib, dt, m, n, k, kb, rng)
 
 

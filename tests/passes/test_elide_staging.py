@@ -66,6 +66,18 @@ def test_in_place_gemm_matches_interp(M, N, K, dtype):
     _agree(prim, M, N, K, dtype=getattr(torch, dtype))
 
 
+@pytest.mark.parametrize("M,N,K", [(256, 256, 128), (200, 130, 192)])  # whole tiles; tiles across both edges
+def test_compute_tiles_read_in_place(M, N, K):
+    """128 x 128 bf16 tiles of C: the prelude packs B into panels, each serving 128 rows, so the tiles are read in
+    place too (versioned on the flag where one crosses an edge); fp8 keeps its staged tiles."""
+    prim = decode(M, N, K, 128, 128, 64)
+    text, _ = _forms(prim)
+    assert "extern_gemm(A[" in text and "B[" in text.split("extern_gemm(A[")[1].split("\n")[0]
+    _agree(prim, M, N, K)
+    text, _ = _forms(decode(M, N, K, 128, 128, 64, dtype="float8_e4m3fn"))
+    assert all("B_s" in line for line in text.splitlines() if "extern_gemm(" in line)
+
+
 def test_copies_run_only_when_a_tile_crosses_the_edge():
     text, _ = _forms(decode(4, 64, 256, 4, 16, 64))
     assert "if !tg_inside1:" in text          # the staged copies: only for a tile not inside its tensor
@@ -74,7 +86,7 @@ def test_copies_run_only_when_a_tile_crosses_the_edge():
 
 @pytest.mark.parametrize("case", ["packed", "read_elsewhere", "converting", "fp32", "view"])
 def test_staging_is_kept(case):
-    if case == "packed":  # 32 rows: the prelude packs B into panels, which is faster from a staged tile
+    if case == "packed":  # 32 rows: the prelude packs B into panels (for few rows: faster from a staged tile)
         prim, shape, kw = decode(32, 64, 128, 32, 16, 64), (32, 64, 128), {}
     elif case == "read_elsewhere":
         prim, shape, kw = decode(2, 32, 128, 2, 16, 64, read_bs=True), (2, 32, 128), {}

@@ -84,6 +84,18 @@ def test_fused_matches_interp(M, N, K, block_m, block_n, dtype):
     _agree(prim, M, N, K, 128, dtype=getattr(torch, dtype))
 
 
+@pytest.mark.parametrize("M,N,K,block_m,block_n", [(256, 128, 512, 256, 128), (300, 150, 384, 128, 128)])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
+def test_fused_on_panels_matches_interp(M, N, K, block_m, block_n, dtype):
+    """128 rows or more: the prelude's panel path scales each register block's product into C (tiles across
+    both edges in the second shape)."""
+    prim = scaled(M, N, K, block_m, block_n, 128, dtype=dtype)
+    src = _source(prim)
+    name = "f8e4m3" if dtype == "float8_e4m3fn" else "bf16"
+    assert f"tg_gemm_{name}_bscaled({block_m}, {block_n}, " in src and "for (int32_t s = 0" not in src
+    _agree(prim, M, N, K, 128, dtype=getattr(torch, dtype))
+
+
 def test_fused_is_deterministic():
     prim = scaled(4, 48, 2048, 4, 16, 128)
     torch.manual_seed(1)
@@ -102,7 +114,7 @@ def test_fused_is_deterministic():
 @pytest.mark.parametrize("case", ["blk_read_after", "sb_by_column", "accumulating", "packed", "one_row", "short_k"])
 def test_loop_is_kept(case):
     """blk read after the loop; a scale indexed otherwise than the prelude reads it; a gemm that accumulates
-    across blocks (not DeepGEMM's per-block scaling); 32 rows (the prelude packs panels, no dot path); one row of
+    across blocks (not DeepGEMM's per-block scaling); 32 rows (panels, not the dot path, and under 128 rows); one row of
     A or K < 2048 (a gemm per block measured faster there)."""
     M, N, K, bm = {"packed": (32, 32, 2048, 32), "one_row": (1, 32, 2048, 1), "short_k": (4, 32, 1536, 4)}.get(
         case, (4, 32, 2048, 4))
