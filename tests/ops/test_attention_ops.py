@@ -297,6 +297,22 @@ def test_sparse_prefill(with_extras):
     check("max_logits", max_logits, rmax, 1e-6, 2.01 / 65536)
 
 
+def test_sparse_prefill_half_tiles():
+    """Key counts around the half of the kernel's 64-key tile: a last tile of at most 32 keys is computed on its
+    first half only (alone, or after whole tiles whose scores are still in the second half)."""
+    counts = [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 128]
+    s_q, s_kv, h_q, topk, d, dv = len(counts), 300, 16, 128, 576, 512
+    q = query((s_q, h_q, d), torch.bfloat16)
+    kv = query((s_kv, 1, d), torch.bfloat16)
+    idx = torch.stack([torch.randperm(s_kv)[:topk] for _ in range(s_q)]).int()
+    lens = torch.tensor(counts, dtype=torch.int32)
+    out, max_logits, lse = A.flash_mla_sparse_fwd(q, kv, idx.view(s_q, 1, topk), 0.05, dv, None, lens)
+    ro, rl, rmax = ref_sparse(q, kv.view(s_kv, d), idx, lens, dv, 0.05, None, s_kv)
+    check("out", out.float(), ro, 8e-4, 3.01 / 128, 7e-6)
+    check("lse", lse, rl, 1e-6, 2.01 / 65536)
+    check("max_logits", max_logits, rmax, 1e-6, 2.01 / 65536)
+
+
 def test_sparse_prefill_interp(interp):
     s_q, s_kv, h_q, topk, d, dv = 8, 40, 4, 24, 80, 64
     q, kv, idx = prefill_case(s_q, s_kv, h_q, topk, d)
