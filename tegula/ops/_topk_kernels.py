@@ -69,9 +69,9 @@ def _codec(bits):
     return key, raw, (lambda k: T.reinterpret(k + 32768, "uint32"))
 
 
-def _state(raw):
+def _state(raw, short=False):
     """The per-block buffers (``_init`` them); st = (candidate count, threshold, largest and smallest candidate
-    key, whether the last chunk scanned had survivors)."""
+    key, whether the last chunk scanned had survivors). ``short``: also short_row's copy of a row's keys."""
     b = SimpleNamespace(
         ck=T.alloc_shared((CAP + PAD,), "int32"),   # candidate keys
         ci=T.alloc_shared((CAP + PAD,), "int32"),   # candidate indices
@@ -93,6 +93,8 @@ def _state(raw):
         b.masks16 = T.alloc_fragment((CHUNK // SUB16,), "uint64")
         b.k16 = T.alloc_fragment((KMAX,), "int16")   # short_row's kept keys and positions (- 2^15), 16-bit
         b.p16 = T.alloc_fragment((KMAX,), "int16")
+        if short:   # the keys of a short row, padded with KEY_MIN to whole chunks
+            b.rk = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")
     return b
 
 
@@ -436,6 +438,52 @@ def _macros(bits):
         return count_ge(args[0], args[1], args[2], args[3], t, False)
 
     @T.macro
+    def load_keys(b, src, row, length):
+        """The keys of src[row, :length] (16-bit, length <= SHORT_MAX) into b.rk, padded with KEY_MIN to whole
+        CHUNKs, whose count it returns; b.mg takes in the raw magnitudes (the NaN check)."""
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
+            for lane in T.Parallel(LANES):
+                mag = b.mg[lane]
+                for j in _ROWS:
+                    v = b.xs[j * LANES + lane]
+                    b.rk[c * CHUNK + j * LANES + lane] = key_raw(v)
+                    mag = T.max(mag, v & low)
+                b.mg[lane] = mag
+        nch = nfull
+        if length > nfull * CHUNK:
+            for j in T.Parallel(CHUNK):
+                b.rk[nfull * CHUNK + j] = T.cast(KEY_MIN, raw_t)
+            for j in T.serial(length - nfull * CHUNK):
+                v = src[row, nfull * CHUNK + j]
+                b.rk[nfull * CHUNK + j] = key_raw(v)
+                b.mg[0] = T.max(b.mg[0], v & low)
+            nch = nfull + 1
+        return nch
+
+    @T.macro
+    def count_keys(b, nch, length, t):
+        """How many of the keys of the row (in the first nch CHUNKs of b.rk) are >= t, counted per lane in 16 bits
+        (vectorised; the padding is taken off where t <= KEY_MIN)."""
+        tr = T.cast(T.max(t, KEY_MIN), raw_t)
+        for lane in T.Parallel(LANES):
+            b.lcnt[lane] = 0
+        for c in T.serial(nch):
+            for lane in T.Parallel(LANES):
+                acc = b.lcnt[lane]
+                for j in _ROWS:
+                    acc = acc + T.cast(b.rk[c * CHUNK + j * LANES + lane] >= tr, raw_t)
+                b.lcnt[lane] = acc
+        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
+        return b.ext[0] - T.cast(t <= KEY_MIN, "int32") * (nch * CHUNK - length)
+
+    @T.macro
+    def key_count(args, t):
+        """search_kth's count for short_row: keys of the row >= t (args = (b, nch, length))."""
+        return count_keys(args[0], args[1], args[2], t)
+
+    @T.macro
     def short_row(b, src, row, length, k):
         """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
         index order. The k-th largest key itself is found first, by searching the key range for the point where
@@ -443,15 +491,25 @@ def _macros(bits):
         the search starts between two ranks of a sample and steps by interpolation of the counts alternating
         with bisection. One more pass then keeps the keys above it and the first ones equal to it: no
         candidate buffer, no select, no work per key beyond the k kept."""
+        nch = load_keys(b, src, row, length)
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
-        sample(b, src, row, 0, stride)
+        for i in T.Parallel(SAMPLE):
+            b.kk[i] = T.cast(b.rk[i * stride], "int32")
+        T.reduce_max(b.kk, b.ext[0:1], dim=0)
+        T.reduce_min(b.kk, b.ext[1:2], dim=0)
+        for i in T.Parallel(SAMPLE):
+            b.ck[i] = b.kk[i]
+            b.ci[i] = i
+        b.st[0] = SAMPLE
+        b.st[2] = b.ext[0]
+        b.st[3] = b.ext[1]
         select(b, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE))
         lo = b.st[1]
         select(b, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"))
         hi = b.st[1]
         # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst
-        c_hi = count_ge(b, src, row, length, hi, True)
+        c_hi = count_keys(b, nch, length, hi)
         c_lo = T.cast(length, "int32")
         if c_hi >= k:
             lo = hi
@@ -459,14 +517,14 @@ def _macros(bits):
             hi = KEY_END
             c_hi = 0
         else:
-            c = count_ge(b, src, row, length, lo, False)
+            c = count_keys(b, nch, length, lo)
             if c >= k:
                 c_lo = c
             else:
                 hi = lo
                 c_hi = c
                 lo = KEY_MIN
-        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, row_count, (b, src, row, length), "int32")
+        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, key_count, (b, nch, length), "int32")
         if k * DENSE_KEEP >= length:
             keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
         else:
@@ -488,20 +546,10 @@ def _macros(bits):
         # branch and a mispredict per kept key (a fifth of the row or more). Widened to ck/ci after.
         lo_raw = T.cast(lo, raw_t)
         lim_p = lim - 32768   # positions as int16, offset by 2^15 (the order of p is that of p - 2^15)
-        nfull = length // CHUNK
         w = T.cast(0, "int32")
-        for c in T.serial(nfull):
-            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
-            for j in T.serial(CHUNK):
-                kv = key_raw(b.xs[j])
-                p = T.cast(c * CHUNK + j - 32768, raw_t)
-                if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
-                    b.k16[w] = kv
-                    b.p16[w] = p
-                    w = w + 1
-        for j in T.serial(length - nfull * CHUNK):
-            kv = key_raw(src[row, nfull * CHUNK + j])
-            p = T.cast(nfull * CHUNK + j - 32768, raw_t)
+        for j in T.serial(length):
+            kv = b.rk[j]
+            p = T.cast(j - 32768, raw_t)
             if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
                 b.k16[w] = kv
                 b.p16[w] = p
@@ -648,7 +696,7 @@ def rows_kernel(bits, idx_dtype):
                   Flag: T.Tensor((2,), "int32"), by_value: T.int32, b2: T.int32, idx_fill: T.int32,
                   val_fill: T.int32, inf_mag: T.int32):
         with T.Kernel(batch, threads=1) as r:
-            b = _state(raw)
+            b = _state(raw, short=bits == 16)
             _init(b)
             length = T.min(T.max(End[r], 0), n)
             if length != End[r]:

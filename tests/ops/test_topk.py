@@ -220,11 +220,11 @@ def test_ties_at_the_kth_value_keep_the_lowest_indices(n, k):
 
 # NaN ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_nan_rows_are_refused_or_flagged(dtype):
-    b, n, k = 5, 2000, 64
+@pytest.mark.parametrize("dtype,n,k", [(BF16, 2000, 64), (F32, 2000, 64), (BF16, 3000, 1000), (F16, 8192, 2048)])
+def test_nan_rows_are_refused_or_flagged(dtype, n, k):
+    b = 5
     x = torch.randn(b, n).to(dtype)
-    x[1, 17] = float("nan")
+    x[1, n - 3] = float("nan")   # in the row's last, partial chunk
     x[3, :5] = -float("nan")
     x[4, 1] = float("nan")
     end = torch.tensor([n, n, n, n, 30], dtype=torch.int32)    # row 4 is short: not checked, as in DeepSelect
