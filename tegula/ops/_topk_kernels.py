@@ -13,9 +13,8 @@ index order, to the candidate buffer. When the buffer holds k + b2 entries a sel
 keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
 up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys; short 16-bit rows with
 k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k in one more
-pass (short_row; by compressing stores of 16-bit keys and positions where k >= n / DENSE_KEEP). Candidates stay
-in index order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits,
-stable).
+pass (short_row; by compressing stores of 16-bit keys and positions). Candidates stay in index order, so
+indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
@@ -42,8 +41,6 @@ PAD = CHUNK + 256         # ck, ci are CAP + PAD long: room for a last whole chu
                           # 4 KiB from each other and from tk/ti, so stores do not falsely alias loads (4K aliasing)
 SHORT_MAX = 1 << 16       # rows of 16-bit keys up to this long with k >= SHORT_MU / SAMPLE of them (k/n >= 1/8)
 SHORT_MU = 64             # find their k-th key by counting passes (short_row); below, top_range is faster
-DENSE_KEEP = 5            # short_row keeps its top k by compressing stores where k >= n / DENSE_KEEP, else by
-                          # walking set bits (1 thread CPU time, alternated: 8K k2048 -16%, k/n = 1/8 +1..14%)
 INT_MIN = -(1 << 31)
 INT_MAX = (1 << 31) - 1
 NAN_FLAG = 0x3F3F3F3F     # DeepSelect's marker in indices[row, 0] of a row holding NaN
@@ -486,11 +483,11 @@ def _macros(bits):
     @T.macro
     def short_row(b, src, row, length, k):
         """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
-        index order. The k-th largest key itself is found first, by searching the key range for the point where
-        the count of keys >= it falls below k: each count is one vectorised pass over the (cache-resident) row,
-        the search starts between two ranks of a sample and steps by interpolation of the counts alternating
-        with bisection. One more pass then keeps the keys above it and the first ones equal to it: no
-        candidate buffer, no select, no work per key beyond the k kept."""
+        index order. The row's keys are made once (b.rk); the k-th largest key itself is found first, by
+        searching the key range for the point where the count of keys >= it falls below k: each count is one
+        vectorised pass over the keys, the search starts between two ranks of a sample and steps by
+        interpolation of the counts alternating with bisection. One more pass (compressing stores) then keeps
+        the keys above it and the first ones equal to it: no candidate buffer, no select."""
         nch = load_keys(b, src, row, length)
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
@@ -525,16 +522,13 @@ def _macros(bits):
                 c_hi = c
                 lo = KEY_MIN
         lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, key_count, (b, nch, length), "int32")
-        if k * DENSE_KEEP >= length:
-            keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
-        else:
-            keep_walk(b, src, row, length, k, lo, c_hi)
+        keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
 
     @T.macro
     def keep_dense(b, src, row, length, k, lo, c_lo, c_hi):
-        """short_row's last pass where k >= length / DENSE_KEEP: the keys of src[row, :length] above lo, the
-        k-th largest key, and the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo),
-        in index order, into the candidates."""
+        """short_row's last pass: the keys of the row (b.rk, length of them) above lo, the k-th largest key, and
+        the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo), in index order, into the
+        candidates."""
         # lo is the k-th largest key: keep all keys above it and the first `need` equal to it, those up to
         # position lim (the whole row when every key equal to lo is kept)
         need = k - c_hi
@@ -543,7 +537,7 @@ def _macros(bits):
             lim = nth_equal(b, src, row, length, lo, need)
         # one loop in the compress form over 16-bit keys and positions (length <= SHORT_MAX = 2^16): the c
         # target appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a
-        # branch and a mispredict per kept key (a fifth of the row or more). Widened to ck/ci after.
+        # branch and a mispredict per kept key (an eighth of the row or more). Widened to ck/ci after.
         lo_raw = T.cast(lo, raw_t)
         lim_p = lim - 32768   # positions as int16, offset by 2^15 (the order of p is that of p - 2^15)
         w = T.cast(0, "int32")
@@ -558,40 +552,6 @@ def _macros(bits):
             b.ck[i] = T.cast(b.k16[i], "int32")
             b.ci[i] = T.cast(b.p16[i], "int32") + 32768
         b.st[0] = w
-
-    @T.macro
-    def keep_walk(b, src, row, length, k, lo, c_hi):
-        """short_row's last pass where k < length / DENSE_KEEP (below, walking the set bits of ballot words
-        costs less than compressing every key): as keep_dense."""
-        need = k - c_hi   # lo is the k-th largest key: keep all keys above it and `need` equal to it
-        cnt = T.cast(0, "int32")
-        nfull = length // CHUNK
-        for c in T.serial(nfull):
-            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
-            for s, j in T.Parallel(NSUB, SUB):
-                kv = key_of(b.xs[s * SUB + j])
-                b.kk[s * SUB + j] = kv
-                b.fb[s, j] = T.cast(kv >= lo, "uint32") << T.cast(j, "uint32")
-            T.reduce_sum(b.fb, b.masks, dim=1)
-            for s in T.serial(NSUB):
-                m = b.masks[s]
-                while m != 0:
-                    j = 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                    m = m & (m - 1)
-                    kv = b.kk[s * SUB + j]
-                    if kv > lo or need > 0:
-                        need = need - T.cast(kv == lo, "int32")
-                        b.ck[cnt] = kv
-                        b.ci[cnt] = c * CHUNK + s * SUB + j
-                        cnt = cnt + 1
-        for j in T.serial(length - nfull * CHUNK):
-            kv = key_of(src[row, nfull * CHUNK + j])
-            if kv > lo or (kv == lo and need > 0):
-                need = need - T.cast(kv == lo, "int32")
-                b.ck[cnt] = kv
-                b.ci[cnt] = nfull * CHUNK + j
-                cnt = cnt + 1
-        b.st[0] = cnt
 
     @T.macro
     def nth_equal(b, src, row, length, kv, nth):
