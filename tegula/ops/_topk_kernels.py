@@ -539,7 +539,8 @@ def _macros(bits):
         # target appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a
         # branch and a mispredict per kept key (an eighth of the row or more). Widened to ck/ci after.
         lo_raw = T.cast(lo, raw_t)
-        lim_p = lim - 32768   # positions as int16, offset by 2^15 (the order of p is that of p - 2^15)
+        # positions as int16, offset by 2^15 (the order of p is that of p - 2^15), compared in 16-bit lanes
+        lim_p = T.cast(T.min(lim, SHORT_MAX - 1) - 32768, raw_t)
         w = T.cast(0, "int32")
         for j in T.serial(length):
             kv = b.rk[j]
