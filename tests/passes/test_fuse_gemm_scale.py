@@ -74,7 +74,8 @@ def _source(prim):
 
 
 @pytest.mark.parametrize("M,N,K,block_m,block_n", [(2, 32, 2048, 2, 16), (4, 40, 2048, 4, 16),
-                                                   (3, 70, 2304, 4, 64), (8, 16, 2048, 8, 16)])
+                                                   (3, 70, 2304, 4, 64), (8, 16, 2048, 8, 16), (4, 70, 1536, 4, 64),
+                                                   (2, 20, 1536, 2, 16)])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_fused_matches_interp(M, N, K, block_m, block_n, dtype):
     prim = scaled(M, N, K, block_m, block_n, 128, dtype=dtype)
@@ -114,9 +115,9 @@ def test_fused_is_deterministic():
 @pytest.mark.parametrize("case", ["blk_read_after", "sb_by_column", "accumulating", "packed", "one_row", "short_k"])
 def test_loop_is_kept(case):
     """blk read after the loop; a scale indexed otherwise than the prelude reads it; a gemm that accumulates
-    across blocks (not DeepGEMM's per-block scaling); 32 rows (panels, not the dot path, and under 128 rows); one row of
-    A or K < 2048 (a gemm per block measured faster there)."""
-    M, N, K, bm = {"packed": (32, 32, 2048, 32), "one_row": (1, 32, 2048, 1), "short_k": (4, 32, 1536, 4)}.get(
+    across blocks (not DeepGEMM's per-block scaling); 32 rows (panels, not the dot path, and under 128 rows); one
+    row of A, or 8 rows at K = 1536 (a gemm per block measured faster there)."""
+    M, N, K, bm = {"packed": (32, 32, 2048, 32), "one_row": (1, 32, 2048, 1), "short_k": (8, 32, 1536, 8)}.get(
         case, (4, 32, 2048, 4))
     prim = scaled(M, N, K, bm, 16, 128, variant=None if case in ("packed", "one_row", "short_k") else case)
     src = _source(prim)

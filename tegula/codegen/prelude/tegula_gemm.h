@@ -482,10 +482,11 @@ TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void 
     if (K <= 0 || kb <= 0)
         return;
 #if TG__HAVE_BF16_PAIRS
-    /* fused for 2-8 rows and K >= 2048 (e4m3, 1 thread, weights from DRAM: 4 x 2112 x 7168 1.76-2.2 -> 1.36-1.6 ms);
-     * one row of A, or K = 1536, measured 5-20% slower fused than a gemm per block, which they keep */
-    if (tg__fmt(dt) == TG__BF16 && M >= 2 && K >= 2048 && tg__use_dot(dt, M, K) && kb % 64 == 0 &&
-        kb <= TG__SCALED_KB) {
+    /* fused for 2-8 rows and K >= 2048 (e4m3, 1 thread, weights from DRAM: 4 x 2112 x 7168 1.76-2.2 -> 1.36-1.6 ms),
+     * 2-4 rows from K = 1536 (x 24576: 2 rows 5.1 -> 3.4 ms, 4 rows 4.1-4.2 -> 3.8; 8 rows there 6.1 -> 6.6, kept);
+     * one row of A measured 5-20% slower fused than a gemm per block, which it keeps */
+    if (tg__fmt(dt) == TG__BF16 && M >= 2 && (K >= 2048 || (M <= 4 && K >= 1536)) && tg__use_dot(dt, M, K) &&
+        kb % 64 == 0 && kb <= TG__SCALED_KB) {
         int i = 0;
 #define TG__SROWS(R) tg__dot_rows_scaled(dt, R, N, K, kb, (const char *)A + (long)i * lda * es, lda, (const char *)B, \
                                          (long)ldb * es, C + (long)i * ldc, ldc, sa + (long)i * ldsa, ldsa, sb, ldsb)
