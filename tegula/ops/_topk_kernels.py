@@ -90,8 +90,9 @@ def _state(raw, short=False):
         b.masks16 = T.alloc_fragment((CHUNK // SUB16,), "uint64")
         b.k16 = T.alloc_fragment((KMAX,), "int16")   # short_row's kept keys and positions (- 2^15), 16-bit
         b.p16 = T.alloc_fragment((KMAX,), "int16")
-        if short:   # the keys of a short row, padded with KEY_MIN to whole chunks
+        if short:   # the keys of a short row, padded with KEY_MIN to whole chunks, and a sample of them
             b.rk = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")
+            b.smp = T.alloc_fragment((SAMPLE,), "int16")
     return b
 
 
@@ -476,6 +477,19 @@ def _macros(bits):
         return b.ext[0] - T.cast(t <= KEY_MIN, "int32") * (nch * CHUNK - length)
 
     @T.macro
+    def sample_count(args, t):
+        """search_kth's count for short_row's sample: its SAMPLE keys (b.smp) >= t, in 16-bit lanes."""
+        b = args[0]
+        tr = T.cast(t, raw_t)
+        for lane in T.Parallel(LANES):
+            acc = T.cast(0, raw_t)
+            for j in _ROWS:
+                acc = acc + T.cast(b.smp[j * LANES + lane] >= tr, raw_t)
+            b.lcnt[lane] = acc
+        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
+        return b.ext[0]
+
+    @T.macro
     def key_count(args, t):
         """search_kth's count for short_row: keys of the row >= t (args = (b, nch, length))."""
         return count_keys(args[0], args[1], args[2], t)
@@ -491,20 +505,19 @@ def _macros(bits):
         nch = load_keys(b, src, row, length)
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
+        # the sample's two ranks around the k-th key, each searched for by counts over the 16-bit sample
         for i in T.Parallel(SAMPLE):
-            b.kk[i] = T.cast(b.rk[i * stride], "int32")
-        T.reduce_max(b.kk, b.ext[0:1], dim=0)
-        T.reduce_min(b.kk, b.ext[1:2], dim=0)
+            b.lmax[i] = T.cast(b.rk[i * stride], "int32")
+        T.reduce_max(b.lmax, b.ext[0:1], dim=0)
+        T.reduce_min(b.lmax, b.ext[1:2], dim=0)
+        smax = b.ext[0]
+        smin = b.ext[1]
         for i in T.Parallel(SAMPLE):
-            b.ck[i] = b.kk[i]
-            b.ci[i] = i
-        b.st[0] = SAMPLE
-        b.st[2] = b.ext[0]
-        b.st[3] = b.ext[1]
-        select(b, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE))
-        lo = b.st[1]
-        select(b, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"))
-        hi = b.st[1]
+            b.smp[i] = T.cast(b.lmax[i], raw_t)
+        lo, _, _ = search_kth(smin, smax + 1, SAMPLE, 0, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE),
+                              sample_count, (b,), "int32")
+        hi, _, _ = search_kth(lo, smax + 1, SAMPLE, 0, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"),
+                              sample_count, (b,), "int32")
         # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst
         c_hi = count_keys(b, nch, length, hi)
         c_lo = T.cast(length, "int32")
