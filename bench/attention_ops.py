@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import Timing, add_clock_option, do_bench, measure_bandwidth, print_table, use_clock
+from bench.common import add_clock_option, do_bench, measure_bandwidth, print_table, use_clock
+from bench.common import side_by_side as common_side_by_side
 from tegula.ops import attention as A
 
 D, DV, PS = 576, 512, 64
@@ -38,14 +38,7 @@ clock = time.perf_counter
 def side_by_side(ours, peer, reps: int):
     """Timings of ``ours`` and ``peer`` measured alternately (one call each per round, after a warm-up call each),
     so that both see the same machine load; returns (ours, peer) Timings in ms."""
-    ours(), peer()
-    a, b = [], []
-    for _ in range(reps):
-        for fn, acc in ((ours, a), (peer, b)):
-            t0 = clock()
-            fn()
-            acc.append((clock() - t0) * 1e3)
-    return tuple(Timing(statistics.median(x), min(x), max(x), len(x)) for x in (a, b))
+    return tuple(common_side_by_side([ours, peer], reps, clock))
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:

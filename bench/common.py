@@ -9,8 +9,8 @@ import time
 
 from tegula.jit.profiler import Timing, do_bench
 
-__all__ = ["CLOCKS", "Timing", "add_clock_option", "do_bench", "measure_bandwidth", "print_table", "side_by_side",
-           "try_compile", "use_clock"]
+__all__ = ["CLOCKS", "Timing", "add_clock_option", "do_bench", "interleaved", "measure_bandwidth", "print_table",
+           "side_by_side", "timing_ms", "try_compile", "use_clock"]
 
 # --clock: wall (every core, wall-clock time) or cpu (one thread each side, process CPU time per call, which other
 # load on a shared machine disturbs far less)
@@ -111,15 +111,50 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def side_by_side(fns, reps: int, clock) -> list[Timing]:
-    """Timings (ms) of each of ``fns``, measured alternately: one call of each per round after a warm-up call each,
-    so that every side sees the same machine load. ``clock``: time.perf_counter (wall) or time.process_time."""
-    for fn in fns:
+def interleaved(fns, reps: int, clock=time.perf_counter, min_s: float = 0.0, min_total_s: float = 0.0,
+                max_total_s: float = 5.0, once_s: float | None = None):
+    """Seconds per call of each of ``fns`` (a dict of name -> fn, or a list), sampled in turn: one sample of every
+    fn per round, so that every side sees the same machine load (timing one side after the other lets the host's
+    speed drift into the ratios). Each fn is called once to warm up and once more to size its samples: a sample
+    batches calls to last >= ``min_s`` (one call when 0). Rounds go on until there are ``reps`` and every fn has
+    been timed for ``min_total_s`` seconds, or for ``max_total_s`` in all. A fn whose sizing call took longer than
+    ``once_s`` keeps that call as its only sample. Returns lists of seconds per call, keyed as ``fns``."""
+    items = list(fns.items()) if isinstance(fns, dict) else list(enumerate(fns))
+    inner, samples, spent = {}, {}, {}
+    for k, fn in items:
         fn()
-    acc = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, a in zip(fns, acc):
-            t0 = clock()
-            fn()
-            a.append((clock() - t0) * 1e3)
-    return [Timing(statistics.median(a), min(a), max(a), len(a)) for a in acc]
+        t0 = clock()
+        fn()
+        one = clock() - t0
+        samples[k], spent[k] = [], 0.0
+        if once_s is not None and one > once_s:
+            samples[k].append(one)
+            spent[k] = float("inf")
+            continue
+        inner[k] = max(1, int(min_s / max(one, 1e-9))) if min_s > 0 else 1
+    start, rounds = clock(), 0
+    while inner and (rounds < reps or (min(spent[k] for k in inner) < min_total_s
+                                       and clock() - start < max_total_s)):
+        for k, fn in items:
+            if k not in inner:
+                continue
+            n = inner[k]
+            t = clock()
+            for _ in range(n):
+                fn()
+            dt = clock() - t
+            spent[k] += dt
+            samples[k].append(dt / n)
+        rounds += 1
+    return samples if isinstance(fns, dict) else [samples[i] for i in range(len(items))]
+
+
+def timing_ms(seconds) -> Timing:
+    """The Timing (milliseconds: median, min, max, count) of a list of seconds."""
+    return Timing(statistics.median(seconds) * 1e3, min(seconds) * 1e3, max(seconds) * 1e3, len(seconds))
+
+
+def side_by_side(fns, reps: int, clock) -> list[Timing]:
+    """Timings (ms) of each of ``fns``, one call of each per round (see interleaved). ``clock``:
+    time.perf_counter (wall) or time.process_time."""
+    return [timing_ms(s) for s in interleaved(list(fns), reps, clock)]

@@ -118,33 +118,14 @@ CLOCK = time.perf_counter  # time.thread_time with --cpu-time
 compile_s = []  # (wall, C compiler CPU seconds) of every compile
 
 
-def _timer(fn, min_s: float):
-    """A callable timing one sample of fn (batched so a sample lasts >= min_s), in seconds per call."""
-    fn()
-    t0 = CLOCK()
-    fn()
-    one = CLOCK() - t0
-    if one > 1.0:  # a peer without a real kernel for this dtype (torch fp16 on a CPU without AVX512-FP16): once
-        return lambda: one
-    inner = max(1, int(min_s / max(one, 1e-9)))
-
-    def sample():
-        t = CLOCK()
-        for _ in range(inner):
-            fn()
-        return (CLOCK() - t) / inner
-
-    return sample
-
-
 def side_by_side(fns: dict, repeats: int, min_s: float) -> dict:
-    """{name: (median, min, max) seconds per call}, the samples of every fn interleaved."""
-    timers = {k: _timer(f, min_s) for k, f in fns.items() if f is not None}
-    samples = {k: [] for k in timers}
-    for _ in range(repeats):
-        for k, t in timers.items():
-            samples[k].append(t())
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in samples.items()}
+    """{name: (median, min, max) seconds per call}, the samples of every fn interleaved (bench.common.interleaved);
+    a peer whose one call takes over a second (torch fp16 on a CPU without AVX512-FP16) is timed once."""
+    from bench.common import interleaved  # here: bench.common loads numpy, after OPENBLAS_THREAD_TIMEOUT is set
+
+    fns = {k: f for k, f in fns.items() if f is not None}
+    return {k: (statistics.median(v), min(v), max(v))
+            for k, v in interleaved(fns, repeats, CLOCK, min_s, once_s=1.0).items()}
 
 
 def _compile(tegula, matmul, m, n, k, dtype, bm, bn, bk):

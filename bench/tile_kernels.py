@@ -25,7 +25,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import Timing, add_clock_option, do_bench, measure_bandwidth, print_table, try_compile, use_clock  # noqa: E402
+from bench.common import (  # noqa: E402
+    Timing,
+    add_clock_option,
+    do_bench,
+    interleaved,
+    measure_bandwidth,
+    print_table,
+    timing_ms,
+    try_compile,
+    use_clock,
+)
 from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
 from tegula.ops import _swiglu, _tk, moe, norm  # noqa: E402
@@ -198,8 +208,8 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
     add_clock_option(p)
     args = p.parse_args(argv)
-    use_clock(args.clock)
-    timer = cpu_bench if args.clock == "cpu" else do_bench
+    clock = use_clock(args.clock)
+    timer = cpu_bench if args.clock == "cpu" else do_bench   # the copy reference
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
     bw = measure_bandwidth(nbytes, threads=1 if args.clock == "cpu" else None, bench=timer)
@@ -214,15 +224,18 @@ def main(argv=None):
     def bench(name, ours, eager, compiled, moved_bytes):
         if only and not any(name.startswith(o) for o in only):
             return
-        t_ours = timer(ours, rep=args.reps)
-        t_eager = timer(eager, rep=args.reps)
-        t_comp = None
+        fns = {"ours": ours, "eager": eager}
         if compiled is not None:
             try:
                 compiled()
-                t_comp = timer(compiled, rep=args.reps)
+                fns["compiled"] = compiled
             except Exception as e:  # inductor failing here is a fact to report, not a crash
                 print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        # the contenders sampled in turn (each sample >= 1 ms of calls, process_time's coarser ticks: 20 ms), so a
+        # drift of the host's speed reaches every side alike
+        t = {k: timing_ms(v) for k, v in interleaved(fns, args.reps, clock, 2e-2 if args.clock == "cpu" else 1e-3,
+                                                      min_total_s=0.05).items()}
+        t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
         rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, gbs / peak, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,

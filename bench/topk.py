@@ -25,7 +25,7 @@ import torch
 
 import tegula
 import tegula.language as T
-from bench.common import measure_bandwidth, print_table
+from bench.common import interleaved, measure_bandwidth, print_table
 from tegula.ops.topk import topk
 
 CLOCK = time.perf_counter   # time.thread_time with --cpu-time (kernels read TEGULA_NUM_THREADS when first loaded)
@@ -53,21 +53,8 @@ def rowmax_kernel(M, N, block=4096):
 
 def side_by_side(fns: dict, reps: int, min_s: float = 0.01) -> dict:
     """{name: (median, min, max) seconds per call}; one sample of each fn in turn, each sample batched to last
-    >= min_s."""
-    inner = {}
-    for name, fn in fns.items():
-        fn()
-        t = CLOCK()
-        fn()
-        inner[name] = max(1, int(min_s / max(CLOCK() - t, 1e-9)))
-    samples = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t = CLOCK()
-            for _ in range(inner[name]):
-                fn()
-            samples[name].append((CLOCK() - t) / inner[name])
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in samples.items()}
+    >= min_s (bench.common.interleaved)."""
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in interleaved(fns, reps, CLOCK, min_s).items()}
 
 
 def read_bandwidth(reps: int) -> float:
