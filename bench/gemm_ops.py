@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import add_clock_option, measure_bandwidth, print_table, use_clock  # noqa: E402
+from bench.common import add_clock_option, interleaved, measure_bandwidth, print_table, use_clock  # noqa: E402
 from tegula.ops import gemm as dg  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -50,29 +50,9 @@ COMPUTE_NK = [(2112, 7168), (7168, 2048)]
 clock = time.perf_counter
 
 
-def _sampler(fn, min_s):
-    """A callable returning seconds per call of fn, batched so that one sample lasts >= min_s."""
-    fn()
-    t0 = clock()
-    fn()
-    inner = max(1, int(min_s / max(clock() - t0, 1e-9)))
-
-    def sample():
-        t = clock()
-        for _ in range(inner):
-            fn()
-        return (clock() - t) / inner
-    return sample
-
-
 def side_by_side(fns: dict, reps: int, min_s: float = 0.02) -> dict:
-    """{name: list of seconds per call}, one sample of every fn per repeat, interleaved."""
-    samplers = {k: _sampler(f, min_s) for k, f in fns.items()}
-    out = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, s in samplers.items():
-            out[k].append(s())
-    return out
+    """{name: list of seconds per call}, one sample of every fn per repeat, interleaved (bench.common.interleaved)."""
+    return interleaved(fns, reps, clock, min_s)
 
 
 def med(x):
