@@ -35,6 +35,9 @@ SUB16 = 64                # keys per bit mask of 16-bit keys read in place (pass
 BLOCK = 4 * CHUNK         # keys copied (and prefetched) at once
 NSUB = CHUNK // SUB
 SAMPLE = CHUNK            # keys sampled for a first threshold
+SAMPLE_MU = 4.0          # 16-bit rows longer than SAMPLE * k / SAMPLE_MU sample up to SAMPLE_MAX * SAMPLE keys,
+SAMPLE_MAX = 4            # in runs of SAMPLE_RUN adjacent keys (one 64-byte line each): a sampled threshold
+SAMPLE_RUN = 32           # where one SAMPLE would hold < 1 of the top k (b1 1M k512), a tighter one where < 4
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
 CAP = KMAX + B2MAX + CHUNK
 PAD = CHUNK + 256         # ck, ci are CAP + PAD long: room for a last whole chunk, and 1 KiB apart modulo
@@ -371,19 +374,50 @@ def _macros(bits):
         b.st[3] = b.ext[1]
 
     @T.macro
+    def sample_runs(b, src, row, start, stride, nsmp):
+        """nsmp * SAMPLE keys as the candidates: runs of SAMPLE_RUN adjacent keys at src[row, start + g * stride]
+        (g = 0, 1, ...), their range in st[2:4]. Runs, not single keys: each strided key of a row in DRAM is a
+        miss of its own, which costs more than the tighter threshold saves (b1 1M k512, 4096 single keys:
+        1 thread CPU 177 -> 225 us; in runs of 32: 164 us)."""
+        top = T.cast(INT_MIN, "int32")
+        bot = T.cast(INT_MAX, "int32")
+        for c in T.serial(nsmp):
+            for i in T.Parallel(SAMPLE):
+                b.kk[i] = key_of(src[row, start + (c * (SAMPLE // SAMPLE_RUN) + i // SAMPLE_RUN) * stride
+                                     + i % SAMPLE_RUN])
+            T.reduce_max(b.kk, b.ext[0:1], dim=0)
+            T.reduce_min(b.kk, b.ext[1:2], dim=0)
+            top = T.max(top, b.ext[0])
+            bot = T.min(bot, b.ext[1])
+            for i in T.Parallel(SAMPLE):
+                b.ck[c * SAMPLE + i] = b.kk[i]
+        b.st[0] = nsmp * SAMPLE
+        b.st[2] = top
+        b.st[3] = bot
+
+    @T.macro
     def top_range(b, lo, hi, src, row, k, b2):
         """The top k of src[row, lo:hi] into the candidates (st[0] = min(k, hi - lo)), in index order.
 
-        When the range is at most SAMPLE * k long, the threshold starts at the r-th largest of SAMPLE evenly
-        spaced keys, r = mu + 3 sqrt(mu) + 2 with mu = SAMPLE * k / (hi - lo) the expected count of the true
-        top k in the sample: about 1.3 k keys pass instead of the k (1 + ln(n / k)) of a rising threshold.
+        The threshold starts at the r-th largest of S evenly spaced keys, r = mu + 3 sqrt(mu) + 2 with
+        mu = S * k / (hi - lo) the expected count of the true top k in the sample: about 1.3 k keys pass instead
+        of the k (1 + ln(n / k)) of a rising threshold. S = SAMPLE single keys, or for long 16-bit ranges
+        (mu < SAMPLE_MU with SAMPLE keys) up to SAMPLE_MAX * SAMPLE keys in runs (sample_runs); a range whose
+        sample still has mu < 1 keeps the rising threshold.
         If fewer than k pass after all (rare), the range is scanned again from scratch."""
         length = hi - lo
-        mu = T.cast(SAMPLE * k, "float32") / T.cast(T.max(length, 1), "float32")
+        mu1 = T.cast(SAMPLE * k, "float32") / T.cast(T.max(length, 1), "float32")
+        if bits == 16:   # 32-bit rows (the fp32 sampler, 129280 long) lost with more samples: b8 426 -> 450-471 us
+            nsmp = T.min(T.max(T.cast(SAMPLE_MU / mu1 + 0.999, "int32"), 1), SAMPLE_MAX)
+        else:
+            nsmp = T.cast(1, "int32")
+        mu = mu1 * T.cast(nsmp, "float32")
         sampled = T.cast(0, "int32")
-        if mu >= 1.0 and length >= 2 * SAMPLE:
-            stride = length // SAMPLE
-            sample(b, src, row, lo, stride)
+        if mu >= 1.0 and length >= 2 * SAMPLE * nsmp:
+            if nsmp == 1:
+                sample(b, src, row, lo, length // SAMPLE)
+            else:
+                sample_runs(b, src, row, lo, length // (nsmp * (SAMPLE // SAMPLE_RUN)), nsmp)
             t0, _ = kth_key(b, T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"))   # the sample itself is not kept
             _reset(b)
             b.st[1] = T.max(T.cast(t0, "int32"), INT_MIN + 1) - 1

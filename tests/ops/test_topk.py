@@ -136,6 +136,19 @@ def test_sample_fallback_when_the_sample_is_misleading():
     check(x, k, v, i)
 
 
+def test_run_sample_fallback_when_the_runs_are_misleading():
+    # a long 16-bit row samples runs of adjacent keys (here 32 runs of 32, 2048 apart): 256 large values placed
+    # at the start of every run fill the sample but are fewer than k, so the row is scanned again
+    n, k = 65536, 400
+    x = torch.zeros(2, n)
+    for g in range(32):
+        x[:, g * 2048:g * 2048 + 8] = 10.0
+    x[1] += torch.randn(n) * 0.01
+    x = x.to(BF16)
+    v, i = topk(x, k)
+    check(x, k, v, i)
+
+
 # end, fill values, offsets, outputs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64), (F32, torch.int64)])
@@ -287,7 +300,8 @@ def test_bad_arguments(call, err, match):
 
 @pytest.mark.parametrize("dtype,b,n,k,by_value", [(BF16, 2, 40, 5, False), (F32, 2, 40, 5, True),
                                                    (F16, 1, 1100, 7, False), (BF16, 1, 1100, 300, True),
-                                                   (BF16, 1, 2100, 300, False)])   # the counting path
+                                                   (BF16, 1, 2100, 300, False),    # the counting path
+                                                   (BF16, 1, 8192, 8, False)])     # a sample in runs
 def test_interp_agrees(monkeypatch, dtype, b, n, k, by_value):
     x = torch.randn(b, n).to(dtype)
     x[0, 3] = x[0, 9]   # a tie
