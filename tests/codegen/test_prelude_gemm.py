@@ -51,7 +51,7 @@ CONSTANT_CALLS = [
 ]
 # (M, N, K) of e4m3 block-scaled calls compiled with constant arguments, as the fp8 decode kernels make them
 SCALED_CONSTANT = [(1, 16, 7168), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536), (4, 64, 2048), (8, 16, 256),
-                   (3, 33, 2176), (256, 128, 256), (40, 70, 384)]
+                   (3, 33, 2176), (256, 128, 256), (40, 70, 384), (512, 96, 256)]
 SHAPES = [
     (1, 128, 128),
     (17, 33, 7),

@@ -54,7 +54,8 @@ def dequant_b(q, sf):
 # DeepGEMM's (N, K) list scaled down 8x (K = 896 ends in a partial 128-block... no: 7 whole ones) and 16x
 # (K = 448: three whole blocks and half of one).
 @pytest.mark.parametrize("m,n,k", [(1, 264, 896), (4, 264, 896), (128, 264, 896), (200, 264, 896), (1, 36, 448),
-                                   (64, 132, 448), (300, 264, 896), (600, 200, 384)])  # 512- / 256-row blocks
+                                   (64, 132, 448), (300, 264, 896), (600, 200, 384),
+                                   (512, 192, 256)])  # 512- / 256-row blocks; 96 columns (n 264, 192)
 def test_fp8_gemm_nt(m, n, k):
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     (qa, sa), (qb, sb) = quant(a, b)
