@@ -9,8 +9,8 @@ import time
 
 from tegula.jit.profiler import Timing, do_bench
 
-__all__ = ["CLOCKS", "Timing", "add_clock_option", "do_bench", "interleaved", "measure_bandwidth", "print_table",
-           "side_by_side", "timing_ms", "try_compile", "use_clock"]
+__all__ = ["CLOCKS", "Timing", "add_clock_option", "copy_kernels", "do_bench", "interleaved", "measure_bandwidth",
+           "print_table", "side_by_side", "timing_ms", "try_compile", "use_clock"]
 
 # --clock: wall (every core, wall-clock time) or cpu (one thread each side, process CPU time per call, which other
 # load on a shared machine disturbs far less)
@@ -52,10 +52,10 @@ void stream_copy_nt(const float *restrict a, float *restrict b, int64_t n) {
 """
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=None) -> dict:
-    """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
-    of source, measured now, in this process, with the machine's C compiler. ``bench``: the timing function
-    (do_bench's signature; default do_bench, wall clock)."""
+def copy_kernels(nbytes: int = 1 << 30, threads: int | None = None) -> dict:
+    """{name: (fn, bytes moved per call)} for a plain OpenMP copy ("stream_copy") and a non-temporal-store copy
+    ("stream_copy_nt") of ``nbytes`` of source, built now with the machine's C compiler: the bandwidth reference a
+    bench can time once (measure_bandwidth) or sample in turn with each of its rows (bench.common.interleaved)."""
     from tegula.runtime import cpu
     d = tempfile.mkdtemp(prefix="tegula-bench-")
     src, lib = os.path.join(d, "stream.c"), os.path.join(d, "stream.so")
@@ -68,15 +68,26 @@ def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=N
     n = nbytes // 4 // 16 * 16
     a = _aligned(n, 1.0)
     b = _aligned(n, 0.0)
-    out = {}
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         so.omp_set_num_threads(threads)  # the OpenMP runtime may already have started (torch's)
+    out = {}
     for name in ("stream_copy", "stream_copy_nt"):
         fn = getattr(so, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        t = (bench or do_bench)(lambda: fn(a.ctypes.data, b.ctypes.data, n), warmup=2, rep=5)
-        out[name] = 2 * n * 4 / (t.median_ms * 1e-3) / 1e9
+        # the closure keeps the arrays and the library alive as long as the callable
+        out[name] = ((lambda fn=fn, a=a, b=b: fn(a.ctypes.data, b.ctypes.data, n)), 2 * n * 4)
+    return out
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=None) -> dict:
+    """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
+    of source, measured now, in this process (copy_kernels). ``bench``: the timing function (do_bench's
+    signature; default do_bench, wall clock)."""
+    out = {}
+    for name, (fn, moved) in copy_kernels(nbytes, threads).items():
+        t = (bench or do_bench)(fn, warmup=2, rep=5)
+        out[name] = moved / (t.median_ms * 1e-3) / 1e9
     return out
 
 

@@ -6,7 +6,9 @@ copy bandwidth.
 Every memory-bound row reads a working set of about --gib GiB (well beyond the last-level cache). tegula's rows call
 the ops' compiled kernels with outputs allocated once and reused; torch eager and compiled functions return fresh
 tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per second; "of copy BW" divides it by the
-plain OpenMP copy measured in this process. The MoE routing rows are latency rows (a few MB), where ratios matter.
+plain OpenMP copy of the same working set ("copy GB/s"), sampled in turn with the row's contenders (the memory's speed
+on a shared host moves within a run), or for the latency rows by the copy measured at the start. The MoE routing rows
+are latency rows (a few MB), where ratios matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
 process CPU time a call takes, which that load disturbs far less than wall-clock time (GB/s are then per core).
 """
@@ -28,9 +30,9 @@ import torch.nn.functional as F  # noqa: E402
 from bench.common import (  # noqa: E402
     Timing,
     add_clock_option,
+    copy_kernels,
     do_bench,
     interleaved,
-    measure_bandwidth,
     print_table,
     timing_ms,
     try_compile,
@@ -209,11 +211,13 @@ def main(argv=None):
     add_clock_option(p)
     args = p.parse_args(argv)
     clock = use_clock(args.clock)
-    timer = cpu_bench if args.clock == "cpu" else do_bench   # the copy reference
+    timer = cpu_bench if args.clock == "cpu" else do_bench
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
-    bw = measure_bandwidth(nbytes, threads=1 if args.clock == "cpu" else None, bench=timer)
+    copies = copy_kernels(nbytes, threads=1 if args.clock == "cpu" else None)
+    bw = {k: moved / (timer(fn, warmup=2, rep=5).median_ms * 1e-3) / 1e9 for k, (fn, moved) in copies.items()}
     peak = bw["stream_copy"]
+    copy_fn, copy_moved = copies["stream_copy"]
     print(f"measured: plain copy {peak:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
           f"({args.gib} GiB source); torch threads {torch.get_num_threads()}, tegula threads "
           f"{os.environ.get('TEGULA_NUM_THREADS') or 'all'}; clock {args.clock}")
@@ -231,13 +235,19 @@ def main(argv=None):
                 fns["compiled"] = compiled
             except Exception as e:  # inductor failing here is a fact to report, not a crash
                 print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+        # a memory-bound row samples the copy too: its "of copy BW" divides by the copy of the same rounds (the
+        # host's memory speed moves 30% and more within a run; one copy measured at the start let that drift in)
+        memory_bound = moved_bytes >= nbytes // 4
+        if memory_bound:
+            fns["copy"] = copy_fn
         # the contenders sampled in turn (each sample >= 1 ms of calls, process_time's coarser ticks: 20 ms), so a
         # drift of the host's speed reaches every side alike
         t = {k: timing_ms(v) for k, v in interleaved(fns, args.reps, clock, 2e-2 if args.clock == "cpu" else 1e-3,
                                                       min_total_s=0.05).items()}
         t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
-        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, gbs / peak, t_eager.median_ms,
+        copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9 if memory_bound else peak
+        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, gbs / copy_gbs, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,
                      "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms])
         print(f"  {name}: {t_ours.median_ms:.1f} ms, {gbs:.2f} GB/s", flush=True)
@@ -347,8 +357,8 @@ def main(argv=None):
 
     print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
                 f"{torch.get_num_threads()} threads, clock {args.clock} (medians of >= {args.reps} runs)",
-                ["op", "tegula ms", "spread", "GB/s", "of copy BW", "eager ms", "eager/tegula", "compile ms",
-                 "compile/tegula"], rows)
+                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "eager ms", "eager/tegula",
+                 "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
 
 
