@@ -288,23 +288,23 @@ def fill_i32(BLK=4096):
     N = T.dynamic("n")
 
     @T.prim_func
-    def fill_i32(A: T.Tensor((N,), "int32"), B: T.Tensor((N,), "int32"), C: T.Tensor((N,), "int32"), v: T.int32):
+    def fill_i32(A: T.Tensor((N,), "int32"), v: T.int32):
         with T.Kernel(T.ceildiv(N, BLK)) as b:
             for i in T.Parallel(BLK):
                 if b * BLK + i < N:
                     A[b * BLK + i] = v
-                    B[b * BLK + i] = v
-                    C[b * BLK + i] = v
     return fill_i32
 
 
-def expert_scatter(E, K, CH=4096):
-    """Each entry's position: its chunk's running position for its expert (entries in order)."""
+def expert_scatter(E, CH=4096):
+    """Each entry's position p: its chunk's running position for its expert (entries in order); TTP[n] = p and
+    P2TT[p] = n (the one store to a scattered place per entry: positions_of derives the other two arrays from P2TT
+    in order)."""
     NE_, NC, NP = T.dynamic("num_entries"), T.dynamic("num_chunks"), T.dynamic("num_positions")
 
     @T.prim_func
     def expert_scatter(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32"), TTP: T.Tensor((NE_,), "int32"),
-                       P2E: T.Tensor((NP,), "int32"), P2T: T.Tensor((NP,), "int32"), P2TT: T.Tensor((NP,), "int32")):
+                       P2TT: T.Tensor((NP,), "int32")):
         with T.Kernel(NC) as b:
             run = T.alloc_fragment((E,), "int32")
             T.copy(Hst[b, 0], run)
@@ -315,12 +315,27 @@ def expert_scatter(E, K, CH=4096):
                     p = run[e]
                     run[e] = p + 1
                     TTP[n] = p
-                    P2E[p] = e
-                    P2T[p] = n // K
                     P2TT[p] = n
                 else:
                     TTP[n] = -1
     return expert_scatter
+
+
+def positions_of(K, BLK=4096):
+    """From P2TT (each position's entry t * K + k, or -1): P2T[p] = its token, P2E[p] = its expert Idx[entry], -1
+    where P2TT is; one pass in position order (the entries' experts gathered from Idx, which fits in cache)."""
+    NE_, NP = T.dynamic("num_entries"), T.dynamic("num_positions")
+
+    @T.prim_func
+    def positions_of(Idx: T.Tensor((NE_,), "int64"), P2TT: T.Tensor((NP,), "int32"), P2E: T.Tensor((NP,), "int32"),
+                     P2T: T.Tensor((NP,), "int32")):
+        with T.Kernel(T.ceildiv(NP, BLK)) as b:
+            for i in T.Parallel(BLK):
+                if b * BLK + i < NP:
+                    P2T[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0, P2TT[b * BLK + i] // K, -1)
+                    P2E[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0,
+                                                      T.cast(Idx[T.max(P2TT[b * BLK + i], 0)], "int32"), -1)
+    return positions_of
 
 
 def expand_rows(dtype="uint8", BW=1024, strided_out=False):

@@ -237,10 +237,16 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
         raise ValueError(f"num_expanded_tokens ({ne}) is too small: the layout needs {need} rows")
     p2e, p2t, p2tt = (t.empty((ne,), dtype=t.int32) for _ in range(3))
     ttp = t.empty((n, kk), dtype=t.int32)
+    # one scattered store per entry (its position's entry, P2TT), then the position-ordered arrays from it
     if ne:
-        _tk.kernel(K.fill_i32)(p2e, p2t, p2tt, -1)
+        _tk.kernel(K.fill_i32)(p2tt, -1)
     if flat.numel():
-        _tk.kernel(K.expert_scatter, e, kk, _CHUNK)(flat, hist, ttp.view(-1), p2e, p2t, p2tt)
+        _tk.kernel(K.expert_scatter, e, _CHUNK)(flat, hist, ttp.view(-1), p2tt)
+        if ne:
+            _tk.kernel(K.positions_of, kk)(flat, p2tt, p2e, p2t)
+    elif ne:
+        _tk.kernel(K.fill_i32)(p2e, -1)
+        _tk.kernel(K.fill_i32)(p2t, -1)
     counts = []
     if sized and not force_no_sync:
         counts = count.tolist()

@@ -210,6 +210,16 @@ def test_get_fused_mapping(target, e, k, a):
         assert (r[0][used:] == -1).all() and (r[1][used:] == -1).all()
 
 
+@pytest.mark.parametrize("n", [0, 5])
+def test_get_fused_mapping_without_entries(target, n):
+    """No token, or every entry -1: every position of a given size is padding (-1 in all three arrays)."""
+    idx = torch.full((n, 4), -1, dtype=torch.int64)
+    check_mapping(idx, 8, 16, moe.get_fused_mapping(idx, 8, 0, 16))
+    r = moe.get_fused_mapping(idx, 8, 64, 16)
+    assert all(x.shape == (64,) and (x == -1).all() for x in r[:3])
+    assert (r[3] == -1).all() and r[3].shape == (n, 4)
+
+
 def test_expand_and_reduce_fused(target):
     n, e, k, h = tokens(target), 72, 6, 576
     idx = random_topk_idx(n, e, k)
