@@ -72,29 +72,42 @@ def _ordered_sum(W, r, K):
     return s
 
 
-def normalize_weight(K, BM=256):
+def normalize_weight(K, BM=256, serial=False):
     """W (num_tokens, K) -> D (num_tokens,) = 1e-20 + W[:, 0] + W[:, 1] + ... (in that order), N = W / D.
     Read and written in place (no staging tiles). A block of BM whole rows sums across rows (lane i: row i, the K
-    adds in order), so the adds are vector adds, not a scalar chain per row."""
+    adds in order), so the adds are vector adds, not a scalar chain per row. ``serial``: one block walks every row
+    block in turn (a grid of one: no other thread woken, for inputs too small to pay for that)."""
     NT = T.dynamic("num_tokens")
 
-    @T.prim_func
-    def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
-                         N: T.Tensor((NT, K), "float32")):
-        with T.Kernel(T.ceildiv(NT, BM)) as by:
-            r0 = by * BM
-            d = T.alloc_fragment((BM,), "float32")
-            if r0 + (BM - 1) < NT:  # whole blocks: no row tests
-                for ib, l in T.Parallel(BM // 16, 16):  # 16 rows a vector (a (BM,) loop would fuse with the next)
-                    d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
-                for i, k in T.Parallel(BM, K):
-                    N[r0 + i, k] = W[r0 + i, k] / d[i]
-            else:
-                for ib, l in T.Parallel(BM // 16, 16):
-                    d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
-                for i, k in T.Parallel(BM, K):
-                    N[r0 + i, k] = W[r0 + i, k] / d[i]
-            T.copy(d, D[r0])
+    @T.macro
+    def rows(W, D, N, by):
+        r0 = by * BM
+        d = T.alloc_fragment((BM,), "float32")
+        if r0 + (BM - 1) < NT:  # whole blocks: no row tests
+            for ib, l in T.Parallel(BM // 16, 16):  # 16 rows a vector (a (BM,) loop would fuse with the next)
+                d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
+            for i, k in T.Parallel(BM, K):
+                N[r0 + i, k] = W[r0 + i, k] / d[i]
+        else:
+            for ib, l in T.Parallel(BM // 16, 16):
+                d[ib * 16 + l] = _ordered_sum(W, r0 + ib * 16 + l, K)
+            for i, k in T.Parallel(BM, K):
+                N[r0 + i, k] = W[r0 + i, k] / d[i]
+        T.copy(d, D[r0])
+
+    if serial:
+        @T.prim_func
+        def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
+                             N: T.Tensor((NT, K), "float32")):
+            with T.Kernel(1) as _b:
+                for by in T.serial(T.ceildiv(NT, BM)):
+                    rows(W, D, N, by)
+    else:
+        @T.prim_func
+        def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
+                             N: T.Tensor((NT, K), "float32")):
+            with T.Kernel(T.ceildiv(NT, BM)) as by:
+                rows(W, D, N, by)
     return normalize_weight
 
 

@@ -83,6 +83,11 @@ def normalize_weight(topk_weights):
 # (shape, raw TEGULA_TARGET) -> normalize_weight's plan for contiguous float32 CPU weights: (torch.float32,
 # torch.empty_like, a (num_tokens,) float32 tensor, the bound launcher or None when there is nothing to compute)
 _NORMALIZE: dict = {}
+# weights of at most this many values are normalised by one thread (the serial kernel): where the OpenMP threads
+# sleep between regions (OMP_WAIT_POLICY=passive, as the benches set it) waking the second one costs more than
+# it gives: 2 threads wall, 4096 / 16384 / 32768 x 8: grid 52 / 30 / 58 us, one thread 7.2 / 24.6 / 47 us; with
+# spinning threads the grid is faster (8.3 / 23 / 43 us against 9.1 / 30 / 54)
+_NORMALIZE_SERIAL_MAX = 1 << 17
 _Tensor = None   # torch.Tensor once a call has imported torch (before that, every call takes the checks)
 
 
@@ -94,7 +99,8 @@ def _normalize_plan(t, w):
     plan = _NORMALIZE.get(key)
     if plan is None:
         den = t.empty((n,), dtype=t.float32)
-        launch = None if n == 0 or k == 0 else _tk.kernel(K.normalize_weight, k).bind(w, den, t.empty_like(w))
+        kern = _tk.kernel(K.normalize_weight, k, 256, n * k <= _NORMALIZE_SERIAL_MAX)
+        launch = None if n == 0 or k == 0 else kern.bind(w, den, t.empty_like(w))
         plan = _NORMALIZE[key] = (t.float32, t.empty_like, den, launch)
     return plan
 

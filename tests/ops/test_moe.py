@@ -56,6 +56,12 @@ def test_normalize_weight(target):
     assert_equal(moe.normalize_weight(wt)[1], moe.normalize_weight(wt.contiguous())[1])
     with pytest.raises(TypeError, match="topk_weights"):
         moe.normalize_weight(w.double())
+    if target == "c":  # above moe._NORMALIZE_SERIAL_MAX values: the grid kernel (below it, one thread's)
+        big = torch.rand(moe._NORMALIZE_SERIAL_MAX // 4 + 1001, 4)
+        den, out = moe.normalize_weight(big)
+        ref = 1e-20 + big[:, 0] + big[:, 1] + big[:, 2] + big[:, 3]
+        assert_equal(den, ref)
+        assert_equal(out, big / ref.unsqueeze(1))
 
 
 # DeepSeek's routing ------------------------------------------------------------------------------------------------
