@@ -100,6 +100,26 @@ def _state(raw, short=False):
 
 
 @T.macro
+def nth_in_words(masks, nwords, width, base, left, pos):
+    """Ballot words masks[0:nwords] of ``width`` bits (bit j of word s: item base + s * width + j), walked while
+    left > 0: the word holding the left-th set item sets pos to that item, else its popcount comes off left.
+    Returns (left, pos): left 0 once found."""
+    for s in T.serial(nwords):
+        m = masks[s]
+        pc = T.cast(T.popcount(m), "int32")
+        if left > 0:
+            if pc >= left:
+                while left > 1:
+                    m = m & (m - 1)
+                    left = left - 1
+                pos = base + s * width + (width - 1) - T.cast(T.clz(m & (0 - m)), "int32")
+                left = 0
+            else:
+                left = left - pc
+    return left, pos
+
+
+@T.macro
 def _init(b):
     for i in T.Parallel(CHUNK):
         b.mg[i] = 0
@@ -144,18 +164,7 @@ def _macros(bits):
                     p = c * CHUNK + s * SUB + j
                     b.fb[s, j] = T.cast((b.ck[p] == kth) & (p < cnt), "uint32") << T.cast(j, "uint32")
                 T.reduce_sum(b.fb, b.masks, dim=1)
-                for s in T.serial(NSUB):
-                    m = b.masks[s]
-                    pc = T.cast(T.popcount(m), "int32")
-                    if left > 0:
-                        if pc >= left:
-                            while left > 1:
-                                m = m & (m - 1)
-                                left = left - 1
-                            lim = c * CHUNK + s * SUB + 31 - T.cast(T.clz(m & (0 - m)), "int32")
-                            left = 0
-                        else:
-                            left = left - pc
+                left, lim = nth_in_words(b.masks, NSUB, SUB, c * CHUNK, left, lim)
         w = T.cast(0, "int32")
         for p in T.serial(cnt):
             kv = b.ck[p]
@@ -616,18 +625,7 @@ def _macros(bits):
                 for s, j in T.Parallel(CHUNK // SUB16, SUB16):
                     b.fb16[s, j] = T.cast(key_raw(b.xs[s * SUB16 + j]) == kr, "uint64") << T.cast(j, "uint64")
                 T.reduce_sum(b.fb16, b.masks16, dim=1)
-                for s in T.serial(CHUNK // SUB16):
-                    m = b.masks16[s]
-                    pc = T.cast(T.popcount(m), "int32")
-                    if left > 0:
-                        if pc >= left:
-                            while left > 1:
-                                m = m & (m - 1)
-                                left = left - 1
-                            pos = c * CHUNK + s * SUB16 + 63 - T.cast(T.clz(m & (0 - m)), "int32")
-                            left = 0
-                        else:
-                            left = left - pc
+                left, pos = nth_in_words(b.masks16, CHUNK // SUB16, SUB16, c * CHUNK, left, pos)
         for j in T.serial(length - nfull * CHUNK):
             if left > 0:
                 if key_of(src[row, nfull * CHUNK + j]) == kv:
