@@ -250,19 +250,25 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
 # token <-> per-expert contiguous layout ------------------------------------------------------------------------
 
 def expert_histogram(E, CH=4096):
-    """Counts of each expert among CH consecutive entries of the flat top-k index: Hst (num_chunks, E)."""
+    """Counts of each expert among CH consecutive entries of the flat top-k index: Hst (num_chunks, E); Bad[c]:
+    chunk c's entries outside [-1, E) (not counted: the caller refuses the index)."""
     NE_, NC = T.dynamic("num_entries"), T.dynamic("num_chunks")
 
     @T.prim_func
-    def expert_histogram(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32")):
+    def expert_histogram(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32"),
+                         Bad: T.Tensor((NC,), "int32")):
         with T.Kernel(NC) as b:
             cnt = T.alloc_fragment((E,), "int32")
+            bad = T.alloc_var("int32", 0)
             T.fill(cnt, 0)
             for i in T.serial(T.min(CH, NE_ - b * CH)):
                 e = Idx[b * CH + i]
-                if e >= 0:
+                if (e >= 0) & (e < E):
                     cnt[T.cast(e, "int32")] = cnt[T.cast(e, "int32")] + 1
+                elif e != -1:
+                    bad = bad + 1
             T.copy(cnt, Hst[b, 0])
+            Bad[b] = bad
     return expert_histogram
 
 

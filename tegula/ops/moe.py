@@ -227,8 +227,6 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     ne = _tk.check_int(num_expanded_tokens, "num_expanded_tokens", lo=0)
     n, kk = topk_idx.shape
     flat = topk_idx.contiguous().view(-1)
-    if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= e):
-        raise ValueError(f"topk_idx entries must lie in [-1, {e})")
     sized = ne == 0
     if sized:
         ne = (n * kk + (a - 1) * e) // a * a
@@ -236,7 +234,10 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     hist = t.zeros((chunks, e), dtype=t.int32)
     start, end, count = (t.empty((e,), dtype=t.int32) for _ in range(3))
     if flat.numel():
-        _tk.kernel(K.expert_histogram, e, _CHUNK)(flat, hist)
+        bad = t.empty((chunks,), dtype=t.int32)  # the range check, made by the histogram's pass over the entries
+        _tk.kernel(K.expert_histogram, e, _CHUNK)(flat, hist, bad)
+        if bool(bad.any()):
+            raise ValueError(f"topk_idx entries must lie in [-1, {e})")
     _tk.kernel(K.expert_layout, e)(hist, start, end, count, a)
     need = int(end[-1])
     if need > ne:

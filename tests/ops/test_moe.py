@@ -282,6 +282,9 @@ def test_bad_input_names_the_argument():
         (lambda: moe.top2_sum_gate(*args, to_physical_map=pm + 17, logical_count=torch.ones(16, dtype=torch.int32)),
          ValueError, "to_physical_map"),
         (lambda: moe.get_fused_mapping(idx + 16, 16, 0, 8), ValueError, "topk_idx"),
+        (lambda: moe.get_fused_mapping(idx - 2, 16, 0, 8), ValueError, "topk_idx"),
+        (lambda: moe.get_fused_mapping(torch.cat([idx] * 3000).index_fill(0, torch.tensor([9000]), 99), 16, 0, 8),
+         ValueError, "topk_idx"),   # one bad entry in a later chunk of the histogram
         (lambda: moe.get_fused_mapping(idx, 16, 8, 16), ValueError, "num_expanded_tokens"),
         (lambda: moe.get_fused_mapping(idx.int(), 16, 0, 8), TypeError, "topk_idx"),
         (lambda: moe.expand_to_fused(s, idx.int() + 5, torch.zeros(1, dtype=torch.int32)), ValueError,
