@@ -6,11 +6,13 @@ Every kernel reads a working set of about --gib GiB (well beyond the last-level 
 preallocated once and reused by tegula (its kernels take the output tensor as an argument) and by the torch.compile
 peers (compiled as ``out.copy_(f(...))``, which inductor writes in place), so their first-touch page faults are not
 timed; torch eager functions return fresh tensors (except copy / add, out=), as the table notes.
-Bandwidth = bytes read + bytes written, per second.
+Bandwidth = bytes read + bytes written, per second. Every row samples tegula, torch eager, torch.compile and a plain
+OpenMP copy of the same working set in turn (so the host's drift reaches all alike); "of copy BW" divides by that
+row's copy ("copy GB/s").
 
 --clock wall (default): every core, wall-clock medians. --clock cpu: tegula, torch and the reference copy each on
-one thread, timed by process CPU time per call and measured alternately (one call of each side per round), which
-other load on a shared machine disturbs far less; the copy bandwidth is then the one-thread figure.
+one thread, timed by process CPU time per call, which other load on a shared machine disturbs far less; the copy
+bandwidth is then the one-thread figure.
 """
 from __future__ import annotations
 
@@ -22,15 +24,7 @@ import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import (
-    add_clock_option,
-    do_bench,
-    measure_bandwidth,
-    print_table,
-    side_by_side,
-    try_compile,
-    use_clock,
-)
+from bench.common import add_clock_option, copy_kernels, interleaved, print_table, timing_ms, try_compile, use_clock
 
 FP8_MAX = 448.0
 
@@ -164,35 +158,34 @@ def main(argv=None):
     nthreads = 1 if args.clock == "cpu" else torch.get_num_threads()
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
-    if args.clock == "cpu":  # the reference copy on one thread, timed by the same clock
-        bw = measure_bandwidth(nbytes, threads=1, bench=lambda fn, warmup, rep: side_by_side([fn], max(rep, 5),
-                                                                                            clock)[0])
-    else:
-        bw = measure_bandwidth(nbytes)
+    copies = copy_kernels(nbytes, threads=1 if args.clock == "cpu" else None)
+    copy_fn, copy_moved = copies["stream_copy"]
+    # the reference copies on the bench's threads, timed by the same clock
+    bw = {k: moved / (timing_ms(interleaved([fn], max(args.reps, 5), clock)[0]).median_ms * 1e-3) / 1e9
+          for k, (fn, moved) in copies.items()}
     print(f"measured: plain copy {bw['stream_copy']:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
           f"({nthreads} threads, {args.gib} GiB source, {args.clock} clock); torch threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f}")
-    peak = bw["stream_copy"]
     rows = []
 
     def bench(name, ours, eager, compiled_fn, moved_bytes, check):
         check()
-        comp_ok = compiled_fn is not None
-        if comp_ok:
+        fns = {"ours": ours, "eager": eager}
+        if compiled_fn is not None:
             try:
                 compiled_fn()
+                fns["compiled"] = compiled_fn
             except Exception as e:  # inductor failing here is a fact to report, not a crash
                 print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
-                comp_ok = False
-        if args.clock == "cpu":
-            ts = side_by_side([ours, eager] + ([compiled_fn] if comp_ok else []), max(args.reps, 5), clock)
-            t_ours, t_eager, t_comp = ts[0], ts[1], (ts[2] if comp_ok else None)
-        else:
-            t_ours = do_bench(ours, rep=args.reps)
-            t_eager = do_bench(eager, rep=args.reps)
-            t_comp = do_bench(compiled_fn, rep=args.reps) if comp_ok else None
+        # every contender and the plain copy of the same working set sampled in turn: "of copy BW" divides by the
+        # copy of the same rounds (the memory's speed on a shared host moves within a run)
+        fns["copy"] = copy_fn
+        t = {k: timing_ms(v) for k, v in interleaved(fns, max(args.reps, 5), clock,
+                                                      2e-2 if args.clock == "cpu" else 1e-3).items()}
+        t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
-        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, gbs / peak, t_eager.median_ms,
+        copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9
+        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, gbs / copy_gbs, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms,
                      "-" if t_comp is None else t_comp.median_ms,
                      "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms])
@@ -266,8 +259,8 @@ def main(argv=None):
 
     print_table(f"memory-bound kernels, ~{args.gib} GiB working set, {nthreads} thread(s), {args.clock} clock "
                 f"(medians of >= {args.reps} runs)",
-                ["kernel", "tegula ms", "spread", "GB/s", "of copy BW", "eager ms", "eager/tegula", "compile ms",
-                 "compile/tegula"], rows)
+                ["kernel", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "eager ms", "eager/tegula",
+                 "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula and the torch.compile peers (out.copy_(f(...)) compiled: inductor "
           "writes the preallocated output) reuse their outputs; torch eager allocates its outputs (except copy/add, "
           "out=), first touch of fresh memory included.")
