@@ -181,17 +181,23 @@ def _macros(bits):
         b.st[3] = kth
 
     @T.macro
-    def count_top(b, nch, t):
-        """How many of the candidates in the first nch CHUNKs of ck are >= t, counted per lane (vectorised)."""
+    def lane_count(b, src, cnt, nch, t, cnt_t):
+        """How many of the values in the first nch CHUNKs of src are >= t, counted per lane in cnt (of cnt_t:
+        vectorised), into b.ext[0]."""
         for lane in T.Parallel(LANES):
-            b.lmax[lane] = 0
+            cnt[lane] = 0
         for c in T.serial(nch):
             for lane in T.Parallel(LANES):
-                acc = b.lmax[lane]
+                acc = cnt[lane]
                 for j in _ROWS:
-                    acc = acc + T.cast(b.ck[c * CHUNK + j * LANES + lane] >= t, "int32")
-                b.lmax[lane] = acc
-        T.reduce_sum(b.lmax[0:LANES], b.ext[0:1], dim=0)
+                    acc = acc + T.cast(src[c * CHUNK + j * LANES + lane] >= t, cnt_t)
+                cnt[lane] = acc
+        T.reduce_sum(cnt[0:LANES], b.ext[0:1], dim=0)
+
+    @T.macro
+    def count_top(b, nch, t):
+        """How many of the candidates in the first nch CHUNKs of ck are >= t, counted per lane (vectorised)."""
+        lane_count(b, b.ck, b.lmax, nch, t, "int32")
         return b.ext[0]
 
     @T.macro
@@ -508,15 +514,7 @@ def _macros(bits):
         """How many of the keys of the row (in the first nch CHUNKs of b.rk) are >= t, counted per lane in 16 bits
         (vectorised; the padding is taken off where t <= KEY_MIN)."""
         tr = T.cast(T.max(t, KEY_MIN), raw_t)
-        for lane in T.Parallel(LANES):
-            b.lcnt[lane] = 0
-        for c in T.serial(nch):
-            for lane in T.Parallel(LANES):
-                acc = b.lcnt[lane]
-                for j in _ROWS:
-                    acc = acc + T.cast(b.rk[c * CHUNK + j * LANES + lane] >= tr, raw_t)
-                b.lcnt[lane] = acc
-        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
+        lane_count(b, b.rk, b.lcnt, nch, tr, raw_t)
         return b.ext[0] - T.cast(t <= KEY_MIN, "int32") * (nch * CHUNK - length)
 
     @T.macro
