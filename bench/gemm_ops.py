@@ -9,8 +9,9 @@ the spread (max - min) / median of each contender's samples):
 - decode (M <= 64): fp8_gemm_nt on float8 weights [N, K] with 128 x 128 block scales, torch.matmul on the
   same weights in bf16, and tegula's bf16_gemm_nt. Weights rotate over enough copies that each call reads
   them from DRAM (>= --ws MiB per contender, far beyond the last-level cache). GB/s counts every byte read
-  or written (weights, activations, scales, output); "of BW" divides by the plain-copy bandwidth measured
-  at the start of the run (read + write bytes / s over 1 GiB, all cores).
+  or written (weights, activations, scales, output); "of BW" divides by the bandwidth of a plain OpenMP copy
+  of --ws MiB ("copy GB/s", read + write bytes / s, all cores) sampled in turn with the row's contenders (the
+  memory's speed on a shared host moves within a run; the 1 GiB copy at the start is printed for reference).
 - compute-bound (M = 4096): fp8_gemm_nt against tegula's bf16_gemm_nt, and bf16_gemm_nt against torch.
 - grouped: m_grouped_fp8_gemm_nt_contiguous over G experts (uneven counts, padded to the alignment) against
   fp8_gemm_nt of the same total M on one weight; the masked form; k_grouped_fp8_gemm_tn_contiguous.
@@ -36,7 +37,14 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import add_clock_option, interleaved, measure_bandwidth, print_table, use_clock  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_clock_option,
+    copy_kernels,
+    interleaved,
+    measure_bandwidth,
+    print_table,
+    use_clock,
+)
 from tegula.ops import gemm as dg  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -86,8 +94,11 @@ def fp8_weight(n, k):
 
 # rows ------------------------------------------------------------------------------------------------------
 
-def decode_rows(args, bw):
+def decode_rows(args):
     rows = []
+    # the plain copy of a working set as large as a contender's weights, sampled in turn with each row: "of BW"
+    # divides by the copy of the same rounds (the memory's speed on a shared host moves within a run)
+    copy_fn, copy_moved = copy_kernels(args.ws << 20, threads=1 if args.clock == "cpu" else None)["stream_copy"]
     for n, k in DECODE_NK[:2] if args.quick else DECODE_NK:
         copies = max(2, -(-args.ws * 2**20 // (n * k)))
         base = fp8_weight(n, k)
@@ -103,15 +114,17 @@ def decode_rows(args, bw):
                 "fp8": lambda: dg.fp8_gemm_nt(qa, w8(), d),
                 "torch": lambda: torch.matmul(a, w16().T, out=d2),
                 "bf16": lambda: dg.bf16_gemm_nt(a, w16(), d3),
+                "copy": copy_fn,
             }, args.reps)
             moved = n * k + m * k + 4 * (m * (k // 128) + (n // 128) * (k // 128)) + 2 * m * n
             gbs = moved / med(t["fp8"]) / 1e9
-            rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, gbs / bw,
+            copy_gbs = copy_moved / med(t["copy"]) / 1e9
+            rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, copy_gbs, gbs / copy_gbs,
                          med(t["torch"]) * 1e3, f"{spread(t['torch']):.0%}", ratio(t["torch"], t["fp8"]),
                          med(t["bf16"]) * 1e3, ratio(t["torch"], t["bf16"])])
             print(f"  decode {m}x{n}x{k} done", flush=True)
     print_table("decode: fp8_gemm_nt vs torch bf16 matmul (weights from DRAM)",
-                ["MxNxK", "fp8 ms", "spread", "GB/s", "of BW", "torch ms", "spread", "fp8 x torch",
+                ["MxNxK", "fp8 ms", "spread", "GB/s", "copy GB/s", "of BW", "torch ms", "spread", "fp8 x torch",
                  "tg bf16 ms", "bf16 x torch"], rows)
 
 
@@ -282,7 +295,7 @@ def main(argv=None):
           f"(wall clock); torch threads {torch.get_num_threads()}, tegula threads "
           f"{os.environ.get('TEGULA_NUM_THREADS') or dg.get_num_sms()}; clock {args.clock}", flush=True)
     if "decode" in only:
-        decode_rows(args, bw["stream_copy"])
+        decode_rows(args)
     if "compute" in only:
         compute_rows(args)
     if "grouped" in only:
