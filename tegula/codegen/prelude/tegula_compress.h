@@ -20,6 +20,22 @@
 #include <immintrin.h>
 #endif
 
+/* the plain-C paths, for lanes of any integer width: TG__MASK_LOOP sets bit l of r when m[l] != 0 (n lanes);
+ * TG__COMPRESS_WALK appends the elements of type T of src whose bit is set in mask, in order, at dst */
+#define TG__MASK_LOOP(r, m, n)                   \
+    for (int l_ = 0; l_ < (n); ++l_)            \
+        (r) |= (uint32_t)((m)[l_] != 0) << l_
+#define TG__COMPRESS_WALK(T, dst, src, mask)     \
+    do {                                         \
+        T *d_ = (T *)(dst);                      \
+        const T *s_ = (const T *)(src);          \
+        uint32_t m_ = (mask);                    \
+        while (m_) {                             \
+            *d_++ = s_[__builtin_ctz(m_)];       \
+            m_ &= m_ - 1u;                       \
+        }                                        \
+    } while (0)
+
 /* bit l of the result is set when m[l] != 0 */
 static inline uint32_t tg_mask16(const int32_t *m) {
 #if defined(__AVX512F__)
@@ -34,8 +50,7 @@ static inline uint32_t tg_mask16(const int32_t *m) {
     return ~eq & 0xFFFFu;
 #else
     uint32_t r = 0;
-    for (int l = 0; l < 16; ++l)
-        r |= (uint32_t)(m[l] != 0) << l;
+    TG__MASK_LOOP(r, m, 16);
     return r;
 #endif
 }
@@ -52,8 +67,7 @@ static inline uint32_t tg_mask16_16(const int16_t *m) {
     return (uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(b, _mm_setzero_si128())) ^ 0xFFFFu;
 #else
     uint32_t r = 0;
-    for (int l = 0; l < 16; ++l)
-        r |= (uint32_t)(m[l] != 0) << l;
+    TG__MASK_LOOP(r, m, 16);
     return r;
 #endif
 }
@@ -82,12 +96,7 @@ static inline void tg_compress16_32(void *dst, const void *src, uint32_t mask) {
     int n = tg__compress8_32((int32_t *)dst, (const int32_t *)src, mask & 0xFFu);
     tg__compress8_32((int32_t *)dst + n, (const int32_t *)src + 8, (mask >> 8) & 0xFFu);
 #else
-    uint32_t *d = (uint32_t *)dst;
-    const uint32_t *s = (const uint32_t *)src;
-    while (mask) {
-        *d++ = s[__builtin_ctz(mask)];
-        mask &= mask - 1u;
-    }
+    TG__COMPRESS_WALK(uint32_t, dst, src, mask);
 #endif
 }
 
@@ -111,12 +120,7 @@ static inline void tg_compress32_16(void *dst, const void *src, uint32_t mask) {
     uint32_t n = (uint32_t)__builtin_popcount(mask);
     _mm512_mask_storeu_epi16(dst, (__mmask32)(n == 32 ? 0xFFFFFFFFu : (1u << n) - 1u), c);
 #else
-    uint16_t *d = (uint16_t *)dst;
-    const uint16_t *s = (const uint16_t *)src;
-    while (mask) {
-        *d++ = s[__builtin_ctz(mask)];
-        mask &= mask - 1u;
-    }
+    TG__COMPRESS_WALK(uint16_t, dst, src, mask);
 #endif
 }
 #endif

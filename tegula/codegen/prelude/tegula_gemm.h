@@ -307,6 +307,19 @@ TG__ALWAYS_INLINE void tg__blocks(int fmt, int mc, int nc, int units, int tail, 
 enum { TG__DOT_KC = 1024 }; /* K per packed chunk of A */
 TG__ALWAYS_INLINE int tg__use_dot(int dt, int M, int K) { return M <= 8 || (dt == TG__DT_BF16 && M <= 16 && K >= 512); }
 
+/* rows [i, M) of A in blocks of 4, then one of 2 and one of 1: ROWS(R) computes R rows from row i */
+#define TG__ROWS_4_2_1(ROWS)   \
+    do {                       \
+        for (; i + 4 <= M; i += 4) \
+            ROWS(4);           \
+        if (M - i >= 2) {      \
+            ROWS(2);           \
+            i += 2;            \
+        }                      \
+        if (M - i)             \
+            ROWS(1);           \
+    } while (0)
+
 TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, int lda, const void *B, int ldb,
                                     float *C, int ldc, int clear, const tg_gemm_next *next)
 {
@@ -333,14 +346,7 @@ TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, 
         int i = 0;
 #define TG__DROWS(R) tg__dot_rows(dt, R, N, kc, abuf + i * ld, ld, b, (long)ldb * es, C + (long)i * ldc, ldc, first, \
                                   next ? &pf : NULL)
-        for (; i + 4 <= M; i += 4)
-            TG__DROWS(4);
-        if (M - i >= 2) {
-            TG__DROWS(2);
-            i += 2;
-        }
-        if (M - i)
-            TG__DROWS(1);
+        TG__ROWS_4_2_1(TG__DROWS);
 #undef TG__DROWS
     }
 }
@@ -490,14 +496,7 @@ TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void 
         int i = 0;
 #define TG__SROWS(R) tg__dot_rows_scaled(dt, R, N, K, kb, (const char *)A + (long)i * lda * es, lda, (const char *)B, \
                                          (long)ldb * es, C + (long)i * ldc, ldc, sa + (long)i * ldsa, ldsa, sb, ldsb)
-        for (; i + 4 <= M; i += 4)
-            TG__SROWS(4);
-        if (M - i >= 2) {
-            TG__SROWS(2);
-            i += 2;
-        }
-        if (M - i)
-            TG__SROWS(1);
+        TG__ROWS_4_2_1(TG__SROWS);
 #undef TG__SROWS
         return;
     }
