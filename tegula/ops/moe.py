@@ -99,8 +99,8 @@ def _normalize_plan(t, w):
     plan = _NORMALIZE.get(key)
     if plan is None:
         den = t.empty((n,), dtype=t.float32)
-        kern = _tk.kernel(K.normalize_weight, k, 256, n * k <= _NORMALIZE_SERIAL_MAX)
-        launch = None if n == 0 or k == 0 else kern.bind(w, den, t.empty_like(w))
+        launch = None if n == 0 or k == 0 else \
+            _tk.kernel(K.normalize_weight, k, 256, n * k <= _NORMALIZE_SERIAL_MAX).bind(w, den, t.empty_like(w))
         plan = _NORMALIZE[key] = (t.float32, t.empty_like, den, launch)
     return plan
 
