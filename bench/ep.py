@@ -6,7 +6,11 @@ gloo all_to_all_single of the same bytes, measured in one run.
 
 Each rank is a process pinned to one core (rank % cores) with one thread. GB/s per rank = the bytes of x a rank
 receives in dispatch (DeepEP's convention; combine sends the same rows back) / the time. Each repeat starts after
-a barrier and its time is the slowest rank's; the table gives the median over repeats and the spread (min-max).
+a start line and its time is the slowest rank's; the table gives the median over repeats and the spread (min-max).
+The start line (--start spin, the default) is a counter per rank in a shared page that every rank bumps and then
+spins on until all have: the ranks leave it within microseconds. gloo's barrier (--start barrier) wakes its ranks
+through sockets, up to milliseconds apart on this VM, and a late rank's delay lands in its peers' time (they wait
+for its rows); "start skew" gives the median spread of the ranks' start times for each kind of call.
 memcpy = one process (rank 0 widened to all cores, the other ranks waiting) copying the same bytes into a warm
 buffer, the faster of torch's copy_ and numpy's copyto (glibc memcpy), counted in bytes copied; the same on the
 one core of rank 0 is shown for reference (the ratios are against all cores). gloo =
@@ -62,11 +66,16 @@ def _worker(args) -> None:
         shm = getattr(buf._comm, "shm", None)
         return shm.waited_s if shm is not None else 0.0
 
+    line = StartLine(args.store + ".start", rank, world) if args.start == "spin" else None
+
     def timed(fn):
-        dist.barrier()
+        if line is not None:
+            line.cross()
+        else:
+            dist.barrier()
         t0, c0, w0 = time.perf_counter(), time.process_time(), waited()
         out = fn()
-        return (time.perf_counter() - t0, time.process_time() - c0, waited() - w0), out
+        return (time.perf_counter() - t0, time.process_time() - c0, waited() - w0, t0), out
 
     # a bare gloo all_to_all_single of the same bytes of x
     send_bytes = [int(n) * h * 2 for n in per_rank.tolist()]
@@ -88,7 +97,7 @@ def _worker(args) -> None:
                    lambda: np.copyto(cpy_dst.numpy(), cpy_src.numpy())):  # glibc memcpy: non-temporal stores here
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            t = (time.perf_counter() - t0, time.process_time() - c0, 0.0)
+            t = (time.perf_counter() - t0, time.process_time() - c0, 0.0, t0)
             best = t if best is None or t[0] < best[0] else best
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
@@ -105,9 +114,9 @@ def _worker(args) -> None:
         pt, _ = timed(lambda: buf.combine(expert_out, handle, recv_w))  # x a private tensor: copied over
         gt, _ = timed(lambda: dist.all_to_all_single(a2a_dst, a2a_src, recv_split, send_bytes))
         dist.barrier()
-        mt = memcpy() if rank == 0 else (0.0, 0.0, 0.0)
+        mt = memcpy() if rank == 0 else (0.0, 0.0, 0.0, 0.0)
         dist.barrier()
-        m1 = memcpy(all_cores=False) if rank == 0 else (0.0, 0.0, 0.0)
+        m1 = memcpy(all_cores=False) if rank == 0 else (0.0, 0.0, 0.0, 0.0)
         if i >= 2:
             for name, v in zip(times, (dt, ct, pt, gt, mt, m1)):
                 times[name].append(v)
@@ -118,7 +127,46 @@ def _worker(args) -> None:
         with open(args.out, "w") as f:
             json.dump(out, f)
     buf.destroy()
+    dist.barrier()
+    if line is not None:
+        line.close(unlink=rank == 0)
     dist.destroy_process_group()
+
+
+class StartLine:
+    """A start line shared by the ranks of one machine: slot r of a shared page holds how many times rank r has
+    reached it; cross() bumps this rank's count and spins until every rank's count has caught up (polling the page,
+    no system call), so the ranks leave within microseconds of the last arrival. A peer that never arrives raises
+    after timeout_s."""
+
+    def __init__(self, path: str, rank: int, world: int, timeout_s: float = 120.0):
+        import mmap
+
+        import numpy as np
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4096)  # every rank sizes it alike; a new file reads as zeros
+        self.map = mmap.mmap(fd, 4096)
+        os.close(fd)
+        self.path, self.rank, self.timeout_s = path, rank, timeout_s
+        self.counts = np.frombuffer(self.map, dtype=np.int64, count=world * 8)[::8]  # one cache line each
+        self.crossed = 0
+
+    def cross(self) -> None:
+        self.crossed += 1
+        self.counts[self.rank] = self.crossed
+        deadline = time.perf_counter() + self.timeout_s
+        spins = 0
+        while self.counts.min() < self.crossed:
+            spins += 1
+            if spins % 4096 == 0 and time.perf_counter() > deadline:
+                late = [r for r, c in enumerate(self.counts.tolist()) if c < self.crossed]
+                raise TimeoutError(f"start line {self.crossed}: ranks {late} did not arrive in {self.timeout_s} s")
+
+    def close(self, unlink: bool) -> None:
+        del self.counts
+        self.map.close()
+        if unlink and os.path.exists(self.path):
+            os.unlink(self.path)
 
 
 def main() -> None:
@@ -130,6 +178,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "dist"])
+    p.add_argument("--start", default="spin", choices=["spin", "barrier"],
+                   help="how the ranks start each timed call together: a spin on a shared page (default) or "
+                        "gloo's barrier")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -141,7 +192,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tegula-bench-ep-") as d:
         store, out = os.path.join(d, "store"), os.path.join(d, "out.json")
         cmd = [sys.executable, "-m", "bench.ep", "--store", store, "--out", out] + [
-            f"--{a}={getattr(args, a)}" for a in ("tokens", "hidden", "topk", "experts", "ranks", "reps", "transport")]
+            f"--{a}={getattr(args, a)}" for a in ("tokens", "hidden", "topk", "experts", "ranks", "reps", "transport",
+                                                 "start")]
         procs = [subprocess.Popen(cmd + [f"--worker={r}"]) for r in range(args.ranks)]
         try:
             for pr in procs:
@@ -171,6 +223,10 @@ def main() -> None:
             return ""
         return "/".join(f"{statistics.median(v[2] for v in r[key]) * 1e3:.2f}" for r in ranks)
 
+    def skew(key):  # per repeat, the spread of the ranks' start times
+        return statistics.median(max(r[key][i][3] for r in ranks) - min(r[key][i][3] for r in ranks)
+                                 for i in range(len(ranks[0][key])))
+
     medians = {k: statistics.median(slowest(k)) for k in names}
     rows = []
     for key, label in names.items():
@@ -185,6 +241,8 @@ def main() -> None:
     print_table("per rank (median; spread = min-max over repeats, slowest rank each; CPU = process CPU time; "
                 "wait = each rank's time waiting for its peers inside the call, rank 0/1/...)",
                 ["", "ms", "spread ms", "CPU ms", "wait ms", "GB/s", "x memcpy", "x gloo"], rows)
+    print(f"start skew ({args.start}; median over repeats of the latest rank's start minus the earliest's): "
+          + ", ".join(f"{k} {skew(k) * 1e6:.0f} us" for k in ("dispatch", "combine", "combine_private", "gloo")))
 
 
 if __name__ == "__main__":
