@@ -175,7 +175,7 @@ class SimtEmitter(CFamilyEmitter):
             except CompileError as e:
                 raise e.with_loc(k.loc)
             launches.append({"name": name, "grid": grid, "threads": k.nthreads, "smem": self.shared_bytes()})
-            written |= {id(s.buffer) for s in S.walk(k.body) if isinstance(s, (S.Store, S.AtomicElem))}
+            written |= {id(_storage(s.buffer)) for s in S.walk(k.body) if isinstance(s, (S.Store, S.AtomicElem))}
             out += ["", f"{self.kernel_prefix} void {self.launch_bounds(k)}{name}({params}) {{"] + self.lines + ["}"]
         try:
             spaces = [{"dtype": b.dtype.name, "numel": host_expr(_numel(b), names)} for b in workspaces]
@@ -194,6 +194,13 @@ class SimtEmitter(CFamilyEmitter):
 
     def launch_bounds(self, k) -> str:
         return ""
+
+
+def _storage(b):
+    """The buffer whose storage ``b`` is: a T.reshape / T.Tensor(..., x.data) view writes into its parameter."""
+    while b.alias is not None:
+        b = b.alias
+    return b
 
 
 def _numel(b):

@@ -173,6 +173,21 @@ def test_launch_description_carries_grid_threads_and_arguments():
     assert launch.grid(kernel, [None, None, 2.0, 100]) == (7, 1, 1)
 
 
+@pytest.mark.parametrize("view", ["tensor_over_data", "reshape"])
+def test_writes_through_a_view_mark_the_parameter_written(view):
+    # A discrete OpenCL device copies back only the written parameters: a store through a view of C must count
+    # as a store to C (an NVIDIA H200 returned C's uninitialised host memory before this was so).
+    @T.prim_func
+    def main(A: T.Tensor((8, 16), "float32"), C: T.Tensor((8, 16), "float32")):
+        with T.Kernel(1, threads=128):
+            flat = T.Tensor((128,), "float32", C.data) if view == "tensor_over_data" else T.reshape(C, (128,))
+            for i in T.Parallel(128):
+                flat[i] = A[i // 16, i % 16] + 1.0
+
+    meta = launch.parse(tegula.lower(main, target="opencl").kernel_source)
+    assert meta["writes"] == [1]
+
+
 def test_narrow_floats_are_raw_bits_in_opencl():
     src = tegula.lower(gemm_in_registers(dtype="bfloat16"), target="opencl").kernel_source
     assert "__global tg_bf16 *restrict A" in src and "tg_bf16_to_f32(" in src
