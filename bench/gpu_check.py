@@ -1,12 +1,14 @@
-"""One prepared run on a machine with an NVIDIA GPU (about 5-8 minutes): does every kernel work on cuda, and how
-fast are GEMM and flash attention against torch there.
+"""One prepared run on a machine with an NVIDIA GPU: does every kernel work on cuda (and opencl), and how fast are
+GEMM and flash attention against torch there (about a minute on a 16-core H200 host).
 
     python -m bench.gpu_check [--skip-tests] [--quick] [--json out.json]
 
 1. `tegula info` (the devices found, the arch kernels are built for).
 2. Every language test and example on the `cuda` target (pytest tests/language -k cuda): on a machine with a
    GPU the cuda column builds each kernel for the device and runs it there, checking it as the test does
-   against torch (tests/language/cuda_build.py).
+   against torch (tests/language/cuda_build.py). Where pyopencl finds an OpenCL device (`tegula info` lists it;
+   for NVIDIA's, an ICD file naming libnvidia-opencl.so.1, e.g. through OCL_ICD_VENDORS), the opencl column
+   runs too. With pytest-xdist installed the tests run on every core.
 3. GEMM C = A @ B at 4096^3 in fp16 and bf16 (fp32 accumulation, examples/gemm.py with 128x128x32 tiles)
    against torch.matmul (cuBLAS), and flash attention (examples/flash_attention.py; batch 4, 32 heads,
    seq 4096, dim 128, fp16; causal and not) against torch's scaled_dot_product_attention (FlashAttention /
@@ -56,7 +58,12 @@ def _time_pair(torch, ours, theirs, repeats):
 
 
 def run_tests(timeout_s: int) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/language", "-k", "cuda", "-p", "no:cacheprovider"]
+    from tegula import runtime
+    columns = "cuda or opencl" if runtime.get("opencl").available()[0] else "cuda"
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/language", "-k", columns, "-p", "no:cacheprovider", "-rf",
+           "--maxfail=40"]
+    if importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(min(os.cpu_count() or 1, 16))]
     print(f"$ {' '.join(cmd)}", flush=True)
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
