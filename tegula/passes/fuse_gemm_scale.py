@@ -11,8 +11,8 @@ adds it (tegula/ops/_gemm_kernels.py):
 Where the prelude computes the gemm as dot products along K (few rows of A, B transposed:
 tileops.gemm.reads_b_in_place), each call ends with a 16-lane horizontal sum per output, so a decode step pays one
 per output per 128 of K. Where the prelude scales the blocks in vector lanes instead (tileops.gemm.scales_in_lanes:
-2..8 rows and K >= 2048, or 2..4 rows and K >= 1536; one row, or 8 rows at K = 1536, measured slower so and keep
-the loop), the loop is replaced by one call
+2..8 rows and K >= 2048, or 2..4 rows and K >= 1536, or one row and K <= 4096; one row with longer K, or 8 rows at
+K = 1536, measured slower so and keep the loop), the loop is replaced by one call
 of ``tg_gemm_<dt>_bscaled`` over the n blocks (an ExternGemm with ``kblock = kw`` and the scale regions
 ``sa[0:bm, 0:n]``, ``sb[0:n, 0:bn]``): each block's partial sums are scaled in their vector lanes and summed across
 lanes once at the end (4 x 2112 x 7168 fp8, 1 thread, weights from DRAM: 1.75-1.92 -> 1.37-1.38 ms). The value is

@@ -51,13 +51,14 @@ def reads_in_place(s: S.Gemm) -> bool:
 def scales_in_lanes(s: S.Gemm, k_total: int) -> bool:
     """Whether the c target's prelude computes a block-scaled product (tg_gemm_<dt>_bscaled) of ``s``'s tile shape,
     K = ``k_total`` in blocks of ``s``'s K, by scaling each block's dot products in their vector lanes
-    (tg__gemm_bscaled's fused path: the dot path, 2..8 rows of A and K >= 2048 or 2..4 rows and K >= 1536, blocks a
-    multiple of 64 up to 256)
+    (tg__gemm_bscaled's fused paths: the dot path, 2..8 rows of A and K >= 2048 or 2..4 rows and K >= 1536; one row
+    and K <= 4096, whole rows of B in address order; blocks a multiple of 64 up to 256)
     rather than as a gemm per block, which one T.gemm per block already is (passes/fuse_gemm_scale)."""
     if not reads_b_in_place(s):
         return False
     m, kw = tile2(s.c)[0], tile2(s.a)[1]
-    return 2 <= m <= 8 and (k_total >= 2048 or (m <= 4 and k_total >= 1536)) and kw % 64 == 0 and kw <= 256
+    rows = 2 <= m <= 8 and (k_total >= 2048 or (m <= 4 and k_total >= 1536)) or m == 1 and k_total <= 4096
+    return rows and kw % 64 == 0 and kw <= 256
 
 
 def scales_on_panels(s: S.Gemm) -> bool:

@@ -50,7 +50,8 @@ CONSTANT_CALLS = [
     ("bf16", 16, 33, 1100, 0, 1),
 ]
 # (M, N, K) of e4m3 block-scaled calls compiled with constant arguments, as the fp8 decode kernels make them
-SCALED_CONSTANT = [(1, 16, 7168), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536), (4, 64, 2048), (8, 16, 256),
+SCALED_CONSTANT = [(1, 16, 7168), (1, 128, 1536), (1, 64, 2048), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536),
+                   (4, 64, 2048), (8, 16, 256),
                    (3, 33, 2176), (256, 128, 256), (40, 70, 384), (512, 96, 256)]
 SHAPES = [
     (1, 128, 128),
@@ -325,7 +326,8 @@ def _check_scaled(lib, dt, m, n, k, kb, rng, constant=False):
 @pytest.mark.parametrize("dt", ["f32", "bf16", "f8e4m3", "f8e5m2"])
 def test_gemm_block_scaled_matches_numpy(lib, dt):
     rng = np.random.default_rng(7)
-    for m, n, k, kb in [(1, 16, 256, 128), (2, 5, 128, 128), (3, 33, 2176, 128), (4, 16, 1152, 128),
+    for m, n, k, kb in [(1, 16, 256, 128), (1, 250, 1536, 128), (1, 40, 512, 64), (1, 7, 4096, 256),
+                        (1, 20, 4352, 128), (2, 5, 128, 128), (3, 33, 2176, 128), (4, 16, 1152, 128),
                         (4, 64, 2048, 128), (5, 17, 2048, 64), (8, 40, 2048, 128), (4, 9, 300, 100),
                         (2, 70, 2048, 256), (6, 20, 4096, 128),
                         # more rows: the panel path, each register block's product scaled into C

@@ -55,7 +55,8 @@ def dequant_b(q, sf):
 # (K = 448: three whole blocks and half of one).
 @pytest.mark.parametrize("m,n,k", [(1, 264, 896), (4, 264, 896), (128, 264, 896), (200, 264, 896), (1, 36, 448),
                                    (64, 132, 448), (300, 264, 896), (600, 200, 384),
-                                   (512, 192, 256)])  # 512- / 256-row blocks; 96 columns (n 264, 192)
+                                   (512, 192, 256),  # 512- / 256-row blocks; 96 columns (n 264, 192)
+                                   (1, 200, 1536)])  # one row, K <= 4096: 128-column blocks, the last partial
 def test_fp8_gemm_nt(m, n, k):
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     (qa, sa), (qb, sb) = quant(a, b)
@@ -103,9 +104,10 @@ def test_fp8_gemm_accumulate_fp32():
     assert dg.calc_diff(d, c + dequant_a(*qa) @ dequant_b(*qb).T) < 1e-9
 
 
+@pytest.mark.parametrize("m", [48, 1])
 @pytest.mark.parametrize("scales", ["packed", "e8m0", "per_row_fp32"])
-def test_fp8_gemm_scale_formats(scales):
-    m, n, k = 48, 132, 448
+def test_fp8_gemm_scale_formats(scales, m):
+    n, k = 132, 448
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     qa, qb = quant(a, b, ue8m0=scales != "per_row_fp32", packed=scales == "packed", per_row_b=scales != "e8m0")
     if scales == "packed":

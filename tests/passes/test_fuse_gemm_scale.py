@@ -75,7 +75,9 @@ def _source(prim):
 
 @pytest.mark.parametrize("M,N,K,block_m,block_n", [(2, 32, 2048, 2, 16), (4, 40, 2048, 4, 16),
                                                    (3, 70, 2304, 4, 64), (8, 16, 2048, 8, 16), (4, 70, 1536, 4, 64),
-                                                   (2, 20, 1536, 2, 16)])
+                                                   (2, 20, 1536, 2, 16),
+                                                   # one row, K <= 4096: whole rows of B, 8 / 4 / 2 / 1 groups of 16
+                                                   (1, 200, 1536, 1, 128), (1, 40, 2048, 1, 64), (1, 16, 4096, 1, 16)])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_fused_matches_interp(M, N, K, block_m, block_n, dtype):
     prim = scaled(M, N, K, block_m, block_n, 128, dtype=dtype)
@@ -116,8 +118,8 @@ def test_fused_is_deterministic():
 def test_loop_is_kept(case):
     """blk read after the loop; a scale indexed otherwise than the prelude reads it; a gemm that accumulates
     across blocks (not DeepGEMM's per-block scaling); 32 rows (panels, not the dot path, and under 128 rows); one
-    row of A, or 8 rows at K = 1536 (a gemm per block measured faster there)."""
-    M, N, K, bm = {"packed": (32, 32, 2048, 32), "one_row": (1, 32, 2048, 1), "short_k": (8, 32, 1536, 8)}.get(
+    row of A with K > 4096, or 8 rows at K = 1536 (a gemm per block measured faster there)."""
+    M, N, K, bm = {"packed": (32, 32, 2048, 32), "one_row": (1, 32, 4224, 1), "short_k": (8, 32, 1536, 8)}.get(
         case, (4, 32, 2048, 4))
     prim = scaled(M, N, K, bm, 16, 128, variant=None if case in ("packed", "one_row", "short_k") else case)
     src = _source(prim)

@@ -33,7 +33,7 @@
  *
  * is DeepGEMM's block-scaled product, B transposed: C += sum over the blocks t of kb elements of K of
  * sa[i * ldsa + t] * sb[t * ldsb + j] * (A[i, block t] . B[j, block t]) (passes/fuse_gemm_scale makes the calls):
- * scaled in vector lanes on the dot path (2-8 rows), per register block on the panel path (more than 8 rows).
+ * scaled in vector lanes on the dot path (1-8 rows), per register block on the panel path (more than 8 rows).
  *
  *   tg_gemm_<dt>_next(..., clear, tg_gemm_next a_next, tg_gemm_next b_next)
  *
@@ -490,7 +490,13 @@ TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void 
 #if TG__HAVE_BF16_PAIRS
     /* fused for 2-8 rows and K >= 2048 (e4m3, 1 thread, weights from DRAM: 4 x 2112 x 7168 1.76-2.2 -> 1.36-1.6 ms),
      * 2-4 rows from K = 1536 (x 24576: 2 rows 5.1 -> 3.4 ms, 4 rows 4.1-4.2 -> 3.8; 8 rows there 6.1 -> 6.6, kept);
-     * one row of A measured 5-20% slower fused than a gemm per block, which it keeps */
+     * one row of A up to K = 4096 in whole rows of B; longer rows measured 5-20% slower fused than a gemm per block,
+     * which they keep */
+    /* one row with K <= TG__ROW1_KMAX: whole rows of B in address order (tg__dot_row1_scaled) */
+    if (tg__fmt(dt) == TG__BF16 && M == 1 && K <= TG__ROW1_KMAX && kb % 64 == 0 && kb <= TG__SCALED_KB) {
+        tg__dot_row1_scaled(dt, N, K, kb, (const char *)A, (const char *)B, (long)ldb * es, C, sa, sb, ldsb);
+        return;
+    }
     if (tg__fmt(dt) == TG__BF16 && M >= 2 && (K >= 2048 || (M <= 4 && K >= 1536)) && tg__use_dot(dt, M, K) &&
         kb % 64 == 0 && kb <= TG__SCALED_KB) {
         int i = 0;
