@@ -243,9 +243,10 @@ def _macros(bits):
         246 -> 220 us)."""
         cnt = b.st[0]
         nch = (cnt + CHUNK - 1) // CHUNK
-        for i in T.Parallel(CHUNK):   # the last chunk's tail counts for nothing
-            if cnt + i < nch * CHUNK:
-                b.ck[cnt + i] = INT_MIN
+        # the last chunk's tail counts for nothing. Its index in 64 bits: ck[cnt + i] in 32-bit arithmetic (which
+        # may wrap) was one masked scatter per 16 keys, not a contiguous store
+        for i in T.Parallel(nch * CHUNK - cnt):
+            b.ck[T.cast(cnt, "int64") + i] = INT_MIN
         # the search runs in int64: 32-bit keys span up to 2^32
         kth, _, above = search_kth(T.cast(b.st[3], "int64"), T.cast(b.st[2], "int64") + 1, cnt, T.cast(0, "int32"),
                                    k, top_count, (b, nch), "int64")
