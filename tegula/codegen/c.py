@@ -43,6 +43,10 @@ class CEmitter(CFamilyEmitter):
         self.w(f"tg_stream_copy(&{self.nm(s.dst)}[{self.flat(s.dst, s.dst_indices)}], "
                f"&{self.nm(s.src)}[{self.flat(s.src, s.src_indices)}], (size_t){s.count * s.dst.dtype.itemsize});")
 
+    def stmt_RowAddress(self, s):  # ir/cpu.py: where a row of a gathered tile lies (passes/read_gathered_rows)
+        self.w(f"{self.nm(s.table)}[{self.ex(E.as_expr(s.index))}] = (int64_t)(intptr_t)"
+               f"&{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}];")
+
     def stmt_Prefetch(self, s):  # ir/cpu.py: a hint that the line is read soon (into L2; never faults)
         self.w(f"__builtin_prefetch(&{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}], 0, 2);")
 

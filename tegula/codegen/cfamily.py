@@ -327,6 +327,12 @@ class CFamilyEmitter:
             self.w(f"tg_gemm_{name}_bscaled({m}, {n}, {k}, {self.operand(a)}, {self.operand(b)}, {self.operand(c)}, "
                    f"{self.operand(s.sa)}, {self.operand(s.sb)}, {s.kblock});")
             return
+        if s.b_rows is not None:  # B's rows at the addresses in b_rows (passes/read_gathered_rows), from b's column
+            rows = f"&{self.nm(s.b_rows.buffer)}[{self.flat(s.b_rows.buffer, [E.as_expr(x) for x in s.b_rows.starts])}]"
+            col = self.ex(E.as_expr(b.starts[-1]))
+            self.w(f"tg_gemm_{name}_rows({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {rows}, {col}, "
+                   f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
+            return
         self.w(f"tg_gemm_{name}({m}, {n}, {k}, {self.operand(a)}, {int(s.trans_a)}, {self.operand(b)}, "
                f"{int(s.trans_b)}, {self.operand(c)}, {int(s.clear)});")
 

@@ -122,6 +122,7 @@ def stmt_lines(s, nm: Namer, ind: int = 0) -> list[str]:
     if isinstance(s, (S.Gemm, S.ExternGemm)):
         name = "gemm" if isinstance(s, S.Gemm) else "extern_gemm"
         scaled = f", sa={rg(s.sa)}, sb={rg(s.sb)}, kblock={s.kblock}" if getattr(s, "kblock", 0) else ""
+        scaled += f", b_rows={rg(s.b_rows)}" if getattr(s, "b_rows", None) is not None else ""
         return [f"{p}{name}({rg(s.a)}, {rg(s.b)}, {rg(s.c)}, trans_a={s.trans_a}, trans_b={s.trans_b}, "
                 f"clear={s.clear}{scaled})"]
     if isinstance(s, S.Reduce):

@@ -153,7 +153,8 @@ class ExternGemm(Stmt):
     """A tile GEMM lowered to a call of the target's prelude routine; operands are regions. With ``kblock`` > 0
     (passes/fuse_gemm_scale, c target) it is block-scaled: C += sum over the blocks t of kblock elements of K of
     sa[i, t] * sb[t, j] * (A[i, block t] . B[j, block t]); sa (rows of C x blocks) and sb (blocks x columns of C)
-    are fp32 regions."""
+    are fp32 regions. With ``b_rows`` (passes/read_gathered_rows, c target), B's stored row r is not in ``b``'s buffer
+    but at the address held by element r of ``b_rows`` (an int64 region), from ``b``'s first column on."""
     a: Region
     b: Region
     c: Region
@@ -164,6 +165,7 @@ class ExternGemm(Stmt):
     sa: Region | None = None
     sb: Region | None = None
     kblock: int = 0
+    b_rows: Region | None = None
 
 
 TILE_OPS = (Copy, Fill, Gemm, Reduce, Atomic)

@@ -11,13 +11,14 @@ from tegula.passes import (
     insert_barriers,
     lower_tile_ops,
     prefetch_pipelined,
+    read_gathered_rows,
     widen_gemm_k,
 )
 
 PIPELINES = {
     "interp": [check_program.run, guard_global_access.run],
     "cpu": [check_program.run, guard_global_access.run, widen_gemm_k.run, prefetch_pipelined.run, elide_staging.run,
-            fuse_gemm_scale.run, lower_tile_ops.run],
+            read_gathered_rows.run, fuse_gemm_scale.run, lower_tile_ops.run],
     "simt": [check_program.run, guard_global_access.run, lower_tile_ops.run, infer_layouts.run, distribute_threads.run,
              insert_barriers.run],
 }

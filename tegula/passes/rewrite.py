@@ -77,7 +77,8 @@ def stmt(s, fe=None, fs=None):
         out = dataclasses.replace(s, value=ex(s.value))
     elif isinstance(s, S.ExternGemm):
         out = dataclasses.replace(s, a=region(s.a, fe), b=region(s.b, fe), c=region(s.c, fe),
-                                  sa=s.sa and region(s.sa, fe), sb=s.sb and region(s.sb, fe))
+                                  sa=s.sa and region(s.sa, fe), sb=s.sb and region(s.sb, fe),
+                                  b_rows=s.b_rows and region(s.b_rows, fe))
     else:
         out = s
     if fs is not None:
@@ -98,7 +99,8 @@ def exprs_of(s):
     if isinstance(s, S.Assign):
         return [s.value]
     if isinstance(s, S.ExternGemm):
-        return [x for rg in (s.a, s.b, s.c, s.sa, s.sb) if rg is not None for x in rg.starts if isinstance(x, E.Expr)]
+        return [x for rg in (s.a, s.b, s.c, s.sa, s.sb, s.b_rows) if rg is not None for x in rg.starts
+                if isinstance(x, E.Expr)]
     if hasattr(s, "exprs"):  # target-family nodes (ir/simt.py) list their own
         return s.exprs()
     return []

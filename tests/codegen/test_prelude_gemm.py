@@ -53,6 +53,8 @@ CONSTANT_CALLS = [
 SCALED_CONSTANT = [(1, 16, 7168), (1, 128, 1536), (1, 64, 2048), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536),
                    (4, 64, 2048), (8, 16, 256),
                    (3, 33, 2176), (256, 128, 256), (40, 70, 384), (512, 96, 256)]
+# (M, N, K, transB) of bf16 calls with B's rows at addresses, constant arguments (the sparse prefill's two gemms)
+ROWS_CONSTANT = [(64, 64, 576, 1), (64, 32, 576, 1), (64, 512, 64, 0), (64, 512, 32, 0)]
 SHAPES = [
     (1, 128, 128),
     (17, 33, 7),
@@ -80,6 +82,16 @@ def _driver_source() -> str:
         " int ldc, int clear) { tg_gemm_f32_next(M, N, K, A, lda, tA, B, ldb, tB, C, ldc, clear,"
         " (tg_gemm_next){A, 4L * lda, tA ? K : M, 4 * (tA ? M : K)}, (tg_gemm_next){B, 4L * ldb, 8, 32}); }"
     )
+    for dt, (tin, tc) in DTYPES.items():  # B's rows at addresses (read_gathered_rows' calls)
+        lines.append(
+            f"void r_{dt}(int M, int N, int K, const {tin} *A, int lda, int tA, const int64_t *rows, int bcol, int tB,"
+            f" {tc} *C, int ldc, int clear) {{ tg_gemm_{dt}_rows(M, N, K, A, lda, tA, rows, bcol, tB, C, ldc, clear); }}"
+        )
+    for m, n, k, tb in ROWS_CONSTANT:
+        lines.append(
+            f"void rc_{m}x{n}x{k}_{tb}(const tg_bf16 *A, const int64_t *rows, float *C, int clear)"
+            f" {{ tg_gemm_bf16_rows({m}, {n}, {k}, A, {k + PAD_A}, 0, rows, 3, {tb}, C, {n + PAD_C}, clear); }}"
+        )
     for dt in ("f32", "bf16", "f8e4m3", "f8e5m2"):  # the block-scaled product (fuse_gemm_scale's calls)
         tin = DTYPES[dt][0]
         lines.append(
@@ -356,3 +368,52 @@ def test_gemm_block_scaled_is_deterministic(lib):
                      128)
         outs.append(c)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def _check_rows(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
+    """tg_gemm_<dt>_rows: B's stored rows picked (with repeats) from a larger array, from column 3 on."""
+    bcol, pool_rows = 3, 50
+    nrow, width = (n, k) if tb else (k, n)
+    a, a64 = _operand(dt, *((k, m) if ta else (m, k)), PAD_A, rng)
+    pool, p64 = _operand(dt, pool_rows, bcol + width, PAD_B, rng)
+    pick = rng.integers(0, pool_rows, size=nrow)
+    rows = (pool.ctypes.data + pick * pool.strides[0]).astype(np.int64)
+    b64 = p64[pick, bcol:]
+    ctype = np.int32 if dt == "i8" else np.float32
+    c = (rng.integers(-1000, 1000, size=(m, n + PAD_C)) if dt == "i8" else rng.standard_normal((m, n + PAD_C)))
+    c = c.astype(ctype)
+    c0 = c.copy()
+    opa, opb = (a64.T if ta else a64), (b64.T if tb else b64)
+    ref = opa @ opb + (0 if clear else c0[:, :n].astype(np.float64))
+    pa, pr, pc = (x.ctypes.data_as(ctypes.c_void_p) for x in (a, rows, c))
+    if constant:
+        fn(pa, pr, pc, clear)
+    else:
+        fn(m, n, k, pa, a.shape[1], ta, pr, bcol, tb, pc, c.shape[1], clear)
+    where = f"{dt} {m}x{n}x{k} transA={ta} transB={tb} clear={clear}"
+    np.testing.assert_array_equal(c[:, n:], c0[:, n:], err_msg=f"{where}: wrote past the row")
+    if dt == "i8":
+        np.testing.assert_array_equal(c[:, :n], ref.astype(np.int64).astype(np.int32), err_msg=where)
+    else:
+        scale = np.abs(opa) @ np.abs(opb) + (0 if clear else np.abs(c0[:, :n]))
+        bad = np.abs(c[:, :n] - ref) > 1e-5 * (k + 1) * scale + 1e-30
+        assert not bad.any(), f"{where}: {bad.sum()} wrong, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("trans", [(0, 0), (0, 1), (1, 0), (1, 1)], ids=["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_gemm_rows_at_addresses(lib, dt, trans):
+    """tg_gemm_<dt>_rows equals the product with B gathered: bf16 pairs packed from the rows (both panel layouts),
+    other formats through a copy of each panel's rows; few rows included (never the dot path)."""
+    rng = np.random.default_rng(10)
+    for m, n, k in [(17, 33, 7), (64, 64, 300), (4, 130, 260), (9, 17, 5), (130, 40, 70)]:
+        for clear in (0, 1):
+            _check_rows(getattr(lib, f"r_{dt}"), dt, m, n, k, *trans, clear, rng)
+
+
+@pytest.mark.parametrize("call", ROWS_CONSTANT, ids=lambda c: "{}x{}x{}_{}".format(*c))
+def test_gemm_rows_constant_arguments(lib, call):
+    m, n, k, tb = call
+    rng = np.random.default_rng(11)
+    for clear in (0, 1):
+        _check_rows(getattr(lib, f"rc_{m}x{n}x{k}_{tb}"), "bf16", m, n, k, 0, tb, clear, rng, constant=True)

@@ -35,6 +35,13 @@
  * sa[i * ldsa + t] * sb[t * ldsb + j] * (A[i, block t] . B[j, block t]) (passes/fuse_gemm_scale makes the calls):
  * scaled in vector lanes on the dot path (1-8 rows), per register block on the panel path (more than 8 rows).
  *
+ *   tg_gemm_<dt>_rows(M, N, K, A, lda, transA, brows, bcol, transB, C, ldc, clear)
+ *
+ * is the same product with B's stored rows anywhere in memory (a tile gathered from a cache): stored row r of B
+ * (a row of K x N B, or of N x K B when transB) is the array at the address brows[r] (an int64), from its element
+ * bcol on. The rows are packed from there (bf16 pairs), or copied together first (other formats); never the dot
+ * path.
+ *
  *   tg_gemm_<dt>_next(..., clear, tg_gemm_next a_next, tg_gemm_next b_next)
  *
  * is the same product, and meanwhile prefetches two tiles the caller reads next (a pipelined loop's
@@ -355,12 +362,13 @@ TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, 
 /* The one driver behind every tg_gemm_<dt>; dt is a constant at every call. */
 TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
                                   int ldb, int transB, void *C, int ldc, int clear, const tg_gemm_next *next,
-                                  int scaled, const float *sa, int ldsa, const float *sb, int ldsb, int kb)
+                                  int scaled, const float *sa, int ldsa, const float *sb, int ldsb, int kb,
+                                  const int64_t *brows, int bcol)
 {
     enum { NC = 128, MC = 64 }; /* the most columns of a packed B panel and rows of a packed A panel */
     const int fmt = tg__fmt(dt), es = tg__esize(dt), c_i32 = dt == TG__DT_I8;
     const int epu = fmt == TG__F32 ? 1 : fmt == TG__BF16 ? 2 : 4; /* elements per unit */
-    const int b_direct = TG__DIRECT_B && dt == TG__DT_F32 && !transB;
+    const int b_direct = TG__DIRECT_B && dt == TG__DT_F32 && !transB && !brows;
     const int a_direct = dt == TG__DT_F32 || (dt == TG__DT_BF16 && fmt == TG__BF16 && !transA);
     /* e4m3 with B transposed and A not: both converted 64 elements at a time, in the order that conversion
      * leaves them (a third fewer shuffles than 32 in K order); the products pair up alike */
@@ -374,7 +382,7 @@ TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, in
         return;
     }
 #if TG__HAVE_BF16_PAIRS
-    if (!scaled && fmt == TG__BF16 && transB && !transA && tg__use_dot(dt, M, K)) {
+    if (!scaled && !brows && fmt == TG__BF16 && transB && !transA && tg__use_dot(dt, M, K)) {
         tg__gemm_dot(dt, M, N, K, A, lda, B, ldb, (float *)C, ldc, clear, next);
         return;
     }
@@ -387,6 +395,7 @@ TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, in
     char bbuf[128 * NC * 4] __attribute__((aligned(64)));
     char abuf[MC * 128 * 4] __attribute__((aligned(64)));
     int32_t cs[NC] __attribute__((aligned(64)));
+    char gbuf[brows ? 128 * NC * 4 : 1] __attribute__((aligned(64))); /* a panel's rows of B, gathered (brows) */
     for (int k0 = 0; k0 < K; k0 += KC) {
         /* scaled: K is whole blocks, so kc is the constant kb (the register blocks' strides fold) */
         const int kc = scaled ? KC : TG__MIN(KC, K - k0), first = clear && k0 == 0;
@@ -398,28 +407,42 @@ TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, in
             const int nc = TG__MIN(NCc, N - j0), ldd = TG__ROUND(nc, 32);
             const char *bp = bbuf;
             long bus = 4L * ldd;
-            const char *bsrc = b8 + (transB ? (long)j0 * ldb + k0 : (long)k0 * ldb + j0) * es;
+            const char *bsrc = brows ? gbuf : b8 + (transB ? (long)j0 * ldb + k0 : (long)k0 * ldb + j0) * es;
+            int ldbx = ldb;
+            /* brows: B's stored row r is at the address brows[r], from its element bcol on; bf16 pairs are packed
+             * from there, other formats from a copy of the panel's rows (then a B of leading dimension ldbx) */
+            const int64_t *rw = brows ? brows + (transB ? j0 : k0) : NULL;
+            const long roff = (long)(bcol + (transB ? k0 : j0)) * es;
+            const int fused = brows && fmt == TG__BF16 && !perm64;
+            if (brows && !fused) {
+                const int nrow = transB ? nc : kc, len = transB ? kc : nc;
+                for (int r = 0; r < nrow; r++)
+                    memcpy(gbuf + (long)r * len * es, (const char *)(intptr_t)rw[r] + roff, (size_t)len * es);
+                ldbx = len;
+            }
             if (b_direct) {
                 bp = bsrc;
                 bus = 4L * ldb;
             } else if (fmt == TG__F32) {
                 if (transB)
-                    tg__pack_cols_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldb, kc, nc);
+                    tg__pack_cols_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldbx, kc, nc);
                 else
-                    tg__pack_rows_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldb, kc, nc);
+                    tg__pack_rows_f32(dt, (float *)bbuf, TG__DIRECT_B ? ldd : TG__ROUND(nc, TG_GEMM_NR), bsrc, ldbx, kc, nc);
                 if (!TG__DIRECT_B)
                     bus = 4L * TG__ROUND(nc, TG_GEMM_NR);
             }
 #if TG__HAVE_BF16_PAIRS
+            else if (fused)
+                tg__pack_pairs_rows(dt, (uint16_t *)bbuf, ldd, rw, roff, !transB, kc, nc);
             else if (perm64)
-                tg__pack_pairs64(dt, (uint16_t *)bbuf, ldd, bsrc, ldb, kc, nc);
+                tg__pack_pairs64(dt, (uint16_t *)bbuf, ldd, bsrc, ldbx, kc, nc);
             else if (fmt == TG__BF16)
-                tg__pack_pairs(dt, (uint16_t *)bbuf, ldd, bsrc, transB ? 1 : ldb, transB ? ldb : 1, kc, nc);
+                tg__pack_pairs(dt, (uint16_t *)bbuf, ldd, bsrc, transB ? 1 : ldbx, transB ? ldbx : 1, kc, nc);
 #endif
 #if TG__HAVE_I8_QUADS
             else if (fmt == TG__I8) {
                 memset(cs, 0, sizeof cs);
-                tg__pack_quads((int8_t *)bbuf, ldd, (const int8_t *)bsrc, transB ? 1 : ldb, transB ? ldb : 1, kc, nc, cs);
+                tg__pack_quads((int8_t *)bbuf, ldd, (const int8_t *)bsrc, transB ? 1 : ldbx, transB ? ldbx : 1, kc, nc, cs);
             }
 #endif
             for (int i0 = 0; i0 < M; i0 += MCc) {
@@ -473,7 +496,7 @@ TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, in
 TG__ALWAYS_INLINE void tg__gemm(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
                                 int ldb, int transB, void *C, int ldc, int clear, const tg_gemm_next *next)
 {
-    tg__gemm_s(dt, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, next, 0, NULL, 0, NULL, 0, 1);
+    tg__gemm_s(dt, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, next, 0, NULL, 0, NULL, 0, 1, NULL, 0);
 }
 
 /* tg_gemm_<dt>_bscaled: C[M,N] += sum over the blocks t of kb elements of K (K a multiple of kb) of
@@ -513,7 +536,7 @@ TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void 
      * x 7168: 0.88 -> 0.95 of tegula's bf16) */
     const int epu = tg__fmt(dt) == TG__F32 ? 1 : 2;
     if (M > 8 && kb <= 128 * epu && K % kb == 0) {
-        tg__gemm_s(dt, M, N, K, A, lda, 0, B, ldb, 1, C, ldc, 0, NULL, 1, sa, ldsa, sb, ldsb, kb);
+        tg__gemm_s(dt, M, N, K, A, lda, 0, B, ldb, 1, C, ldc, 0, NULL, 1, sa, ldsa, sb, ldsb, kb, NULL, 0);
         return;
     }
     enum { BM = 16, BN = 64 };
@@ -546,6 +569,13 @@ TG__ALWAYS_INLINE void tg__gemm_bscaled(int dt, int M, int N, int K, const void 
     {                                                                                                   \
         tg_gemm_next next[2] = {a_next, b_next};                                                        \
         tg__gemm(DT, M, N, K, A, lda, transA, B, ldb, transB, C, ldc, clear, next);                     \
+    }                                                                                                   \
+    static inline void tg_gemm_##NAME##_rows(int M, int N, int K, const TIN *A, int lda, int transA,    \
+                                             const int64_t *brows, int bcol, int transB, TC *C, int ldc, \
+                                             int clear)                                                 \
+    {                                                                                                   \
+        tg__gemm_s(DT, M, N, K, A, lda, transA, NULL, 0, transB, C, ldc, clear, NULL, 0, NULL, 0, NULL, 0, 1, \
+                   brows, bcol);                                                                        \
     }
 /* tg_gemm_<dt>_bscaled(M, N, K, A, lda, B, ldb, C, ldc, sa, ldsa, sb, ldsb, kb): float C only */
 #define TG__GEMM_BSCALED(NAME, DT, TIN)                                                                 \

@@ -206,6 +206,43 @@ static inline void tg__pack_pairs(int dt, uint16_t *dst, long ldd, const void *s
         }
 }
 
+/* tg__pack_pairs for a B whose stored rows lie anywhere (tg_gemm_<dt>_rows): stored row r starts at the address
+ * rows[r] + off bytes. rows_k: the stored rows are rows of S (S[k][x] = row k, element x: B not transposed), else
+ * columns of S (B transposed). The same panel as tg__pack_pairs, with no copy of the rows first. */
+static inline void tg__pack_pairs_rows(int dt, uint16_t *dst, long ldd, const int64_t *rows, long off, int rows_k,
+                                       int K, int X)
+{
+    static const uint16_t perm[64] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                      8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                                      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const int es = tg__esize(dt), P = (K + 1) / 2;
+#define TG__ROW(r) ((const char *)(intptr_t)rows[r] + off)
+    if (rows_k) { /* interleave two rows */
+        __m512i lo = _mm512_loadu_si512(perm), hi = _mm512_loadu_si512(perm + 32);
+        for (int p = 0; p < P; p++)
+            for (int x = 0; x < X; x += 32) {
+                __m512i r0 = tg__load32_bf16(dt, TG__ROW(2 * p) + (long)x * es, X - x);
+                __m512i r1 = 2 * p + 1 < K ? tg__load32_bf16(dt, TG__ROW(2 * p + 1) + (long)x * es, X - x)
+                                           : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + 2 * (p * ldd + x), _mm512_permutex2var_epi16(r0, lo, r1));
+                _mm512_storeu_si512(dst + 2 * (p * ldd + x) + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+            }
+        return;
+    }
+    __m512i v[16]; /* each row is 16 pairs of a column of S: transpose 16 x 16 pairs */
+    for (int x0 = 0; x0 < X; x0 += 16)
+        for (int p0 = 0; p0 < P; p0 += 16) {
+            for (int q = 0; q < 16; q++)
+                v[q] = x0 + q < X ? tg__load32_bf16(dt, TG__ROW(x0 + q) + 2L * p0 * es, K - 2 * p0)
+                                  : _mm512_setzero_si512();
+            tg__transpose16(v);
+            for (int r = 0; r < 16 && p0 + r < P; r++)
+                _mm512_storeu_si512(dst + 2 * ((p0 + r) * ldd + x0), v[r]);
+        }
+#undef TG__ROW
+}
+
 /* ---- dot products along K (tg__gemm_dot) ----------------------------------------------------- */
 
 /* The first n <= 64 elements at p (bf16 or fp8) as bf16 words in two vectors, zeros past n. The
