@@ -319,3 +319,50 @@ def test_conversion_loops_vectorise(tmp_path):
     lines = src.read_text().splitlines()
     wanted = set(range(2, len(lines) + 1))
     assert wanted <= vectorised, res.stderr
+
+
+# ---- f32 -> f8e4m3 over every float32 --------------------------------------------------------------
+
+# tg_f32_to_f8e4m3 rounds with a float add whose sum's bits give the code; the reference here is the plain
+# integer rounding (tg__round_narrow, as f16 / f8e5m2 use), saturated at 448, NaN -> 0x7f, the sign on top. The
+# conversion runs in a loop as kernels call it (vectorised), the reference in a loop of its own.
+E4M3_EXHAUSTIVE = r"""
+#include <stdio.h>
+#include "tegula_types.h"
+static tg_f8e4m3 ref(uint32_t x) {
+    uint32_t a = x & 0x7fffffffu, r = tg__round_narrow(a, 3u, 7u);
+    r = a > 0x7f800000u ? 0x7fu : (r > 0x7eu ? 0x7eu : r);
+    return (tg_f8e4m3)(((x >> 24) & 0x80u) | r);
+}
+static float in[1 << 16];
+static tg_f8e4m3 got[1 << 16], want[1 << 16];
+int main(void) {
+    unsigned long long bad = 0;
+    uint32_t first = 0;
+    for (uint32_t hi = 0; hi < (1u << 16); hi++) {
+        for (uint32_t lo = 0; lo < (1u << 16); lo++) in[lo] = tg__bits_f32(hi << 16 | lo);
+        for (uint32_t lo = 0; lo < (1u << 16); lo++) got[lo] = tg_f32_to_f8e4m3(in[lo]);
+        for (uint32_t lo = 0; lo < (1u << 16); lo++) want[lo] = ref(hi << 16 | lo);
+        for (uint32_t lo = 0; lo < (1u << 16); lo++)
+            if (got[lo] != want[lo] && bad++ == 0) first = hi << 16 | lo;
+    }
+    printf("%llu %08x\n", bad, (unsigned)first);
+    return 0;
+}
+"""
+
+E4M3_MARCHES = {"x86_64": ["-march=native", "-march=x86-64-v3", "-march=x86-64"], "AMD64": ["-march=native"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", E4M3_MARCHES.get(platform.machine(), ["-march=native"]))
+def test_f32_to_f8e4m3_exhaustive(tmp_path, march):
+    """tg_f32_to_f8e4m3 equals the plain rounding on all 2^32 float32 inputs, compiled as the c runtime compiles
+    kernels, on each ISA level of this machine (x86: AVX-512 where the host has it, AVX2, SSE2)."""
+    src, exe = tmp_path / "e4m3.c", tmp_path / "e4m3"
+    src.write_text(E4M3_EXHAUSTIVE)
+    cmd = [_cc(), "-O3", march, "-std=gnu11", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
+           "-fno-trapping-math", f"-I{PRELUDE}", str(src), "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    bad, first = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert bad == "0", f"{bad} mismatches, the first at float32 bits 0x{first}"

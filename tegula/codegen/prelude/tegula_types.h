@@ -155,15 +155,18 @@ TG_INLINE tg_f8e4m3 tg_f32_to_f8e4m3(float f) {
     uint32_t a = x & 0x7fffffffu;
     /* |f| >= 448 (inf too) saturates to 448 = 0x7e (0x7f is NaN, handled last) */
     uint32_t c = a < 0x43e00000u ? a : 0x43e00000u;
-    /* e: |f|'s binade, at least 2^-6 (the subnormal codes share 2^-6's spacing, 2^-9). Adding the float
-     * 2^20 * e rounds |f| to nearest even at e's code spacing 2^-3 * e in hardware, and the sum's low bits
-     * count the steps k; the code is 8 * (log2(e) + 6) + k (k = 8..16 for normals, a carry into the next
-     * binade included; 0..8 below 2^-6). Identical to the reference rounding for all 2^32 inputs, and ~15
-     * unconditional integer / float ops that gcc vectorises. */
+    /* e: |f|'s binade, at least 2^-6 (the subnormal codes share 2^-6's spacing, 2^-9). Adding the float 2^20 * e
+     * rounds |f| to nearest even at e's code spacing 2^-3 * e in hardware: the sum s is 2^20 * e plus k steps of
+     * one unit of its last place (k = 8..16 for normals, a carry into the next binade included; 0..8 below 2^-6),
+     * and its exponent field is e's + 20 whatever k. The code is 8 * (log2(e) + 6) + k = k + 8 * (s's exponent
+     * field) - 1128, of which only the low byte counts: s + (s >> 20) has k + 8 * (s's field) there once the
+     * magic carries 152 = -1128 mod 256 in its low bits (152 more steps of the same grid: the rounding does not
+     * move, and k + 152 stays far below the exponent). Identical to the reference rounding for all 2^32 inputs
+     * (tests/codegen/test_prelude_types.py, slow), ~13 unconditional integer / float ops that gcc vectorises. */
     uint32_t e = c & 0x7f800000u;
     e = e > 0x3c800000u ? e : 0x3c800000u;
-    uint32_t s = tg__f32_bits(tg__bits_f32(c) + tg__bits_f32(e + (20u << 23)));
-    uint32_t r = s - e + (e >> 20) - ((20u << 23) + 968u);
+    uint32_t s = tg__f32_bits(tg__bits_f32(c) + tg__bits_f32(e + ((20u << 23) + 152u)));
+    uint32_t r = s + (s >> 20);
     return (tg_f8e4m3)(((x >> 24) & 0x80u) | (a > 0x7f800000u ? 0x7fu : r));
 }
 
