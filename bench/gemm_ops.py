@@ -12,6 +12,10 @@ the spread (max - min) / median of each contender's samples):
   or written (weights, activations, scales, output); "of BW" divides by the bandwidth of a plain OpenMP copy
   of --ws MiB ("copy GB/s", read + write bytes / s, all cores) sampled in turn with the row's contenders (the
   memory's speed on a shared host moves within a run; the 1 GiB copy at the start is printed for reference).
+  "read GB/s" is a plain read of the same weights (torch's sum over their bytes as int64), sampled likewise, and
+  "of read" divides by it: the copy's buffers come from numpy, which asks for transparent huge pages, the weights
+  from torch's allocator (4 KiB pages here), and a plain read of such memory runs slower (1 thread: copy 25-27 GB/s
+  on numpy's buffers, 21.7 on torch's; a read 18-21 GB/s on torch's, 29 on numpy's).
 - compute-bound (M = 4096): fp8_gemm_nt against tegula's bf16_gemm_nt, and bf16_gemm_nt against torch.
 - grouped: m_grouped_fp8_gemm_nt_contiguous over G experts (uneven counts, padded to the alignment) against
   fp8_gemm_nt of the same total M on one weight; the masked form; k_grouped_fp8_gemm_tn_contiguous.
@@ -115,16 +119,20 @@ def decode_rows(args):
                 "torch": lambda: torch.matmul(a, w16().T, out=d2),
                 "bf16": lambda: dg.bf16_gemm_nt(a, w16(), d3),
                 "copy": copy_fn,
+                "read": lambda: w8()[0].view(torch.int64).sum(),
             }, args.reps)
             moved = n * k + m * k + 4 * (m * (k // 128) + (n // 128) * (k // 128)) + 2 * m * n
             gbs = moved / med(t["fp8"]) / 1e9
             copy_gbs = copy_moved / med(t["copy"]) / 1e9
+            read_gbs = n * k / med(t["read"]) / 1e9
             rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, copy_gbs, gbs / copy_gbs,
+                         read_gbs, gbs / read_gbs,
                          med(t["torch"]) * 1e3, f"{spread(t['torch']):.0%}", ratio(t["torch"], t["fp8"]),
                          med(t["bf16"]) * 1e3, ratio(t["torch"], t["bf16"])])
             print(f"  decode {m}x{n}x{k} done", flush=True)
     print_table("decode: fp8_gemm_nt vs torch bf16 matmul (weights from DRAM)",
-                ["MxNxK", "fp8 ms", "spread", "GB/s", "copy GB/s", "of BW", "torch ms", "spread", "fp8 x torch",
+                ["MxNxK", "fp8 ms", "spread", "GB/s", "copy GB/s", "of BW", "read GB/s", "of read", "torch ms", "spread",
+                 "fp8 x torch",
                  "tg bf16 ms", "bf16 x torch"], rows)
 
 
