@@ -125,6 +125,15 @@ def column_absmax(xf, out, R, W):
 
 
 @T.macro
+def scaled(xg, xs, inv, i, g, k, G, xbc, requant):
+    """Element (i, g, k) of the (BM, GB, G) tile ``xg`` times its group's inverse scale (a re-quantised input: times
+    its input scale first, TileKernels' order)."""
+    if requant:
+        return xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
+    return xg[i, g, k] * inv[i, g]
+
+
+@T.macro
 def store_quantized(Q, v, r0, c0, fmt, BM, W):
     """Cast the float32 tile ``v`` (already scaled) to ``fmt`` and store it at Q[r0, c0] (e2m1: byte columns)."""
     if fmt == "e4m3":
@@ -193,22 +202,18 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
                 store_scales(S, word, eb, r0, g0, NT, ngroups, packed, BM, GB)
             if mode != "sf_only":
                 xg = T.reshape(xf, (BM, GB, G))
-                if fmt == "e4m3":  # scale and narrow in one pass, then move the bytes
-                    q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
-                    if requant:
+                if fmt == "e4m3":  # scale and narrow in one pass, straight into Q (a whole block) or through q
+                    if r0 + (BM - 1) < QR and c0 + (W - 1) < QC:  # (the form guard_global_access proves from)
                         for i, g, k in T.Parallel(BM, GB, G):
-                            q[i, g, k] = xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
+                            Q[r0 + i, c0 + g * G + k] = scaled(xg, xs, inv, i, g, k, G, xbc, requant)
                     else:
+                        q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
                         for i, g, k in T.Parallel(BM, GB, G):
-                            q[i, g, k] = xg[i, g, k] * inv[i, g]
-                    T.copy(T.reshape(q, (BM, W)), Q[r0, c0])
+                            q[i, g, k] = scaled(xg, xs, inv, i, g, k, G, xbc, requant)
+                        T.copy(T.reshape(q, (BM, W)), Q[r0, c0])
                 else:
-                    if requant:
-                        for i, g, k in T.Parallel(BM, GB, G):
-                            xg[i, g, k] = xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
-                    else:
-                        for i, g, k in T.Parallel(BM, GB, G):
-                            xg[i, g, k] = xg[i, g, k] * inv[i, g]
+                    for i, g, k in T.Parallel(BM, GB, G):
+                        xg[i, g, k] = scaled(xg, xs, inv, i, g, k, G, xbc, requant)
                     store_quantized(Q, xf, r0, c0, fmt, BM, W)
     return per_token_cast
 

@@ -60,6 +60,8 @@ PER_TOKEN = [  # (tokens, hidden, dtype, fmt, num_per_channels, scales)
     (0, 576, torch.bfloat16, "e4m3", 16, "ue8m0"),
     (64, 7168, torch.bfloat16, "e4m3", 7168, "plain"),
     (129, 2048, torch.float32, "e2m1", 2048, "ue8m0"),
+    (65, 7168, torch.bfloat16, "e4m3", 128, "plain"),  # blocks of 1792 columns (14 groups; quant._width)
+    (65, 7168, torch.bfloat16, "e4m3", 128, "ue8m0"),  # packed scales: blocks of 1024 (8 groups, 2 words)
 ]
 
 
