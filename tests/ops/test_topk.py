@@ -345,6 +345,22 @@ def test_repeated_calls_reuse_a_plan_and_still_check_each_call():
     check(wide[:, ::2].contiguous(), 40, v, i)
 
 
+def test_values_cut_from_blocks_are_disjoint_and_kept():
+    x = torch.randn(1, 3000).to(BF16)
+    kept = []
+    for r in range(150):                     # past two blocks of 64 (1 x 40 bf16 values each)
+        x[0, r] = 100.0 + r                  # a new largest value each call
+        v, i = topk(x, 40, sorted=True)
+        check(x, 40, v, i, by_value=True)
+        assert v.float()[0, 0] == 100.0 + r and v.is_contiguous() and not v._is_view()
+        kept.append((r, v))
+    assert len({v.data_ptr() for _, v in kept}) == len(kept)
+    for r, v in kept:                        # later calls wrote none of the earlier results
+        assert v.float()[0, 0] == 100.0 + r
+    big = topk(torch.randn(4, 3000).to(BF16), 600)[0]   # 4800 bytes: allocated on its own
+    assert big.untyped_storage().nbytes() == big.numel() * 2
+
+
 def test_plans_are_per_thread():
     import threading
     xs = [torch.randn(3, 20000).to(BF16) for _ in range(4)]
