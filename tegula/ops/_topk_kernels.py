@@ -190,7 +190,9 @@ def _macros(bits):
             for lane in T.Parallel(LANES):
                 acc = cnt[lane]
                 for j in _ROWS:
-                    acc = acc + T.cast(src[c * CHUNK + j * LANES + lane] >= t, cnt_t)
+                    # a select of acc + 1: one merge-masked add per vector (acc + the compare cast to 0 / 1 took
+                    # a zeroing masked move and a subtract): b1 8K k2048 kernel -4%
+                    acc = T.if_then_else(src[c * CHUNK + j * LANES + lane] >= t, acc + T.cast(1, cnt_t), acc)
                 cnt[lane] = acc
         T.reduce_sum(cnt[0:LANES], b.ext[0:1], dim=0)
 
@@ -526,7 +528,7 @@ def _macros(bits):
         for lane in T.Parallel(LANES):
             acc = T.cast(0, raw_t)
             for j in _ROWS:
-                acc = acc + T.cast(b.smp[j * LANES + lane] >= tr, raw_t)
+                acc = T.if_then_else(b.smp[j * LANES + lane] >= tr, acc + T.cast(1, raw_t), acc)
             b.lcnt[lane] = acc
         T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
         return b.ext[0]
