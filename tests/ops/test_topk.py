@@ -165,6 +165,20 @@ def test_end_fill_offset(dtype, idx_type):
     check(x, k, v, i, end=end, by_value=True)
 
 
+@pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64)])
+def test_short_rows_offsets_and_orders(dtype, idx_type):
+    # k >= n / 8 on 16-bit rows of 2048..65536: short_row keeps the top k (written out from its 16-bit copies
+    # unsorted, widened for the sort); beside it a row of top_range (2047 long) and one not longer than k
+    b, n, k = 4, 4000, 600
+    x = torch.randn(b, n).to(dtype)
+    x[0, 10:20] = x[0, 5]   # ties
+    end = torch.tensor([4000, 2500, 2047, 600], dtype=torch.int32)
+    off = torch.tensor([0, -70000, 123, 5], dtype=torch.int32)
+    for by_value in (False, True):
+        v, i = topk(x, k, sorted=by_value, end=end, indices_type=idx_type, output_idx_offset=off)
+        check(x, k, v, i, end=end, by_value=by_value, offset=off)
+
+
 def test_output_idx_and_return_value():
     x = torch.randn(4, 1000).to(BF16)
     out = torch.full((4, 33), -1, dtype=torch.int64)
