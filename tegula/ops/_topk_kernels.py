@@ -551,13 +551,21 @@ def _macros(bits):
         stride = length // SAMPLE
         # the sample's two ranks around the k-th key, each searched for by counts over the 16-bit sample
         for i in T.Parallel(SAMPLE):
-            b.lmax[i] = T.cast(b.rk[i * stride], "int32")
-        T.reduce_max(b.lmax, b.ext[0:1], dim=0)
-        T.reduce_min(b.lmax, b.ext[1:2], dim=0)
+            b.smp[i] = b.rk[i * stride]
+        # its range from per-lane maxima / minima in 16-bit lanes (a reduction fused into the strided copy ran
+        # one element at a time)
+        for lane in T.Parallel(LANES):
+            top = b.smp[lane]
+            bot = b.smp[lane]
+            for j in _ROWS_AFTER_FIRST:
+                top = T.max(top, b.smp[j * LANES + lane])
+                bot = T.min(bot, b.smp[j * LANES + lane])
+            b.lmax[lane] = T.cast(top, "int32")
+            b.lmax[LANES + lane] = T.cast(bot, "int32")
+        T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+        T.reduce_min(b.lmax[LANES:2 * LANES], b.ext[1:2], dim=0)
         smax = b.ext[0]
         smin = b.ext[1]
-        for i in T.Parallel(SAMPLE):
-            b.smp[i] = T.cast(b.lmax[i], raw_t)
         lo, _, _ = search_kth(smin, smax + 1, SAMPLE, 0, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE),
                               sample_count, (b,), "int32")
         hi, _, _ = search_kth(lo, smax + 1, SAMPLE, 0, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"),
