@@ -381,12 +381,19 @@ def _macros(bits):
     def sample(b, src, row, start, stride):
         """The SAMPLE keys src[row, start + i * stride] as the candidates (indices i), their range in st[2:4]."""
         for i in T.Parallel(SAMPLE):
-            b.kk[i] = key_of(src[row, start + i * stride])
-        T.reduce_max(b.kk, b.ext[0:1], dim=0)
-        T.reduce_min(b.kk, b.ext[1:2], dim=0)
-        for i in T.Parallel(SAMPLE):
-            b.ck[i] = b.kk[i]
+            b.ck[i] = key_of(src[row, start + i * stride])
             b.ci[i] = i
+        # the range from per-lane maxima / minima (reductions fused into the strided reads ran one key at a time)
+        for lane in T.Parallel(LANES):
+            top = b.ck[lane]
+            bot = b.ck[lane]
+            for j in _ROWS_AFTER_FIRST:   # (SAMPLE = CHUNK keys)
+                top = T.max(top, b.ck[j * LANES + lane])
+                bot = T.min(bot, b.ck[j * LANES + lane])
+            b.lmax[lane] = top
+            b.lmax[LANES + lane] = bot
+        T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+        T.reduce_min(b.lmax[LANES:2 * LANES], b.ext[1:2], dim=0)
         b.st[0] = SAMPLE
         b.st[2] = b.ext[0]
         b.st[3] = b.ext[1]
