@@ -1,8 +1,9 @@
 """IR nodes of the CPU lowering (the ``c`` target's family).
 
-``StreamCopy`` copies ``count`` elements of one dtype from ``src[src_indices]`` on to ``dst[dst_indices]`` on, both
-contiguous runs, with streaming stores into the global ``dst``: what T.copy(..., eviction_policy="evict_first")
-of such a run becomes. The result is the copy's; only the caching differs.
+``StreamCopy`` copies ``count`` elements of one dtype (or float32 rounded to bfloat16) from ``src[src_indices]`` on
+to ``dst[dst_indices]`` on, both contiguous runs, with streaming stores into the global ``dst``: what
+T.copy(..., eviction_policy="evict_first") of such a run becomes. The result is the copy's; only the caching
+differs.
 
 ``Prefetch`` asks the memory system to bring the cache line holding ``buffer[indices]`` towards the core (into L2)
 before it is read: what ``prefetch_pipelined`` makes of a T.Pipelined loop's copies. It never changes what a

@@ -32,6 +32,7 @@ from tegula.ops._tk import ceil_div
 __all__ = ["rmsnorm", "rmsnorm_forward_and_per_token_cast"]
 
 LANES = 32
+STREAM_MIN = 1 << 23  # outputs of at least this many values are written with streaming stores
 _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
@@ -71,8 +72,9 @@ def _normalised(X, Wt, xf, wf, rstd, r0, c0, hidden, BM, W):
             xf[i, j] = xf[i, j] * wf[j] * rstd[i]
 
 
-def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
+def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=4):
     NT, H, XST = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride")
+    streams = in_dtype in ("bfloat16", "float32")
 
     @T.prim_func
     def rmsnorm(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((H,), w_dtype),
@@ -84,8 +86,15 @@ def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=1):
             acc = T.alloc_fragment((BM, LANES), "float32")
             rstd = T.alloc_fragment((BM,), "float32")
             _rstd(X, xf, acc, rstd, r0, H, eps, BM, W)
+            stream = streams and NT >= (STREAM_MIN + H - 1) // H
             for c in T.serial(T.ceildiv(H, W)):
-                if c * W + (W - 1) < H:  # a whole chunk: normalised, rounded and stored in one pass
+                if c * W + (W - 1) < H and stream:  # a whole chunk of a large output: streamed (no line read)
+                    T.copy(Wt[c * W], wf)  # widened once for the block's rows
+                    for i, j in T.Parallel(BM, W):
+                        xf[i, j] = T.cast(X[r0 + i, c * W + j], "float32") * wf[j] * rstd[i]
+                    for i in T.serial(BM):
+                        T.copy(xf[i, 0:W], Y[r0 + i, c * W:c * W + W], eviction_policy="evict_first")
+                elif c * W + (W - 1) < H:  # a whole chunk: normalised, rounded and stored in one pass
                     for i, j in T.Parallel(BM, W):
                         Y[r0 + i, c * W + j] = T.cast(T.cast(X[r0 + i, c * W + j], "float32") *
                                                       T.cast(Wt[c * W + j], "float32") * rstd[i], in_dtype)
@@ -173,8 +182,9 @@ def rmsnorm(x, weight, eps: float = 1e-6):
     t = _tk.torch()
     x, weight, eps = _check(x, weight, eps)
     y = t.empty(x.shape, dtype=x.dtype)
-    if x.numel():
-        _tk.kernel(rmsnorm_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)])(x, weight, y, eps)
+    if x.numel():  # blocks of 4 rows where the output streams (each chunk of the weight widened once for 4 rows)
+        bm = 4 if x.numel() >= STREAM_MIN else 1
+        _tk.kernel(rmsnorm_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)], 256, bm)(x, weight, y, eps)
     return y
 
 

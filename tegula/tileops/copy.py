@@ -1,6 +1,7 @@
 """T.copy on the CPU family: a parallel loop nest; global tiles that may cross the tensor's edge get a
 whole-tile bounds test with an unguarded fast path and an element-guarded slow path. With
-eviction_policy="evict_first", a contiguous run copied into a global tensor is one StreamCopy (streaming stores)."""
+eviction_policy="evict_first", a contiguous run copied into a global tensor is one StreamCopy (streaming stores),
+float32 -> bfloat16 runs included (a converting stream copy)."""
 from __future__ import annotations
 
 from tegula.ir import dtypes as dt
@@ -36,11 +37,13 @@ def lower_copy(s: S.Copy) -> S.Stmt:
 
 
 def _stream(s: S.Copy, shape):
-    """The copy as one StreamCopy, when it is hinted "evict_first" and moves one contiguous run of a dtype into a
-    global tensor (the last dimension of both sides, unit stride); else None."""
+    """The copy as one StreamCopy, when it is hinted "evict_first" and moves one contiguous run of a dtype, or of
+    float32 rounded to bfloat16, into a global tensor (the last dimension of both sides, unit stride); else None."""
     src, dst = s.src, s.dst
+    same = src.buffer.dtype == dst.buffer.dtype
     if s.eviction_policy != "evict_first" or not dst.buffer.is_global or len(shape) != 1 \
-            or src.buffer.dtype != dst.buffer.dtype or dst.buffer.dtype.bits % 8:
+            or not (same or (src.buffer.dtype, dst.buffer.dtype) == (dt.float32, dt.bfloat16)) \
+            or dst.buffer.dtype.bits % 8:
         return None
     for rg in (src, dst):
         ext = [E.const_value(e) for e in rg.extents]

@@ -34,6 +34,21 @@ def test_rmsnorm(target, n, h, dtype, wdtype):
     assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_streamed_output(dtype):
+    """Outputs of >= norm.STREAM_MIN values are written by streaming copies of float32 chunks (bfloat16: rounded
+    by tegula_stream.h's converting copy, vcvtne2ps2bf16 where the host has it); a row count that is not a multiple
+    of the 4-row blocks, a partial last chunk of each row, and weights that make subnormal and tie outputs."""
+    h = 7168 + 100
+    n = -(-norm.STREAM_MIN // h) + 3
+    x = torch.randn(n, h).to(dtype)
+    w = torch.randn(h)
+    w[::97] = 3e-39  # subnormal products: the hardware conversion would flush them to zero
+    w[5::89] = 1e-45
+    w = w.to(dtype)
+    assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).to(dtype))
+
+
 def test_rmsnorm_strided_rows(target):
     n = 257 if target == "c" else 3
     base = torch.randn(n, 3 * 2048).bfloat16()
