@@ -40,7 +40,7 @@ from bench.common import (  # noqa: E402
 )
 from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
-from tegula.ops import _swiglu, _tk, moe, norm  # noqa: E402
+from tegula.ops import _swiglu, _tk, moe, norm, quant  # noqa: E402
 from tegula.ops.rope import rope_kernel  # noqa: E402
 
 # torch peers: the plain eager formulation of each op ----------------------------------------------------------------
@@ -262,15 +262,17 @@ def main(argv=None):
     dummy = torch.zeros(1, 1, dtype=torch.int32)
     q8 = torch.empty(T_, H, dtype=torch.float8_e4m3fn)
     sf = torch.empty(T_, H // 128, dtype=torch.float32)
-    k = lazy(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, 512)
+    # the kernels quant.per_token_cast picks for this shape (block width: quant._width)
+    k = lazy(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, quant._width(H, 128))
     bench("per_token_cast bf16->e4m3 /128", lambda: k(x, dummy, q8, sf.view(torch.int32), H, 0),
           lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
-    bench("per_token_cast ue8m0 packed", lambda: k(x, dummy, q8, sfk, H, 3),
+    kp = lazy(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, quant._width(H, 512))
+    bench("per_token_cast ue8m0 packed", lambda: kp(x, dummy, q8, sfk, H, 3),
           lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
-    k4 = lazy(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, 512)
+    k4 = lazy(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, quant._width(H, 128))
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(x, dummy, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)

@@ -151,7 +151,7 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
     """X (num_tokens, x_cols) with row stride ``x_stride`` -> Q, S: one scale per G consecutive columns of a row.
     ``in_kind``: float32 / bfloat16, or e4m3 / e2m1 (packed bytes) with scales XS over blocks ``xb`` (tokens,
     channels). ``mode``: 'cast' (Q and S), 'sf_only' (S), 'with_sf' (Q from the scales given in S).
-    ``flags``: ROUND_SF | PACKED_SF."""
+    ``flags``: ROUND_SF | PACKED_SF (PACKED_SF needs W a multiple of 4 * G: a block writes whole scale words)."""
     NT = T.dynamic("num_tokens")
     XC, XST, QR, QC = T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("q_rows"), T.dynamic("q_cols")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
