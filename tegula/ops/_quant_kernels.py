@@ -49,15 +49,18 @@ def sf_from_word(word, packed_byte, packed):
 
 @T.macro
 def e2m1_code(v):
-    """The 4-bit e2m1 code of a float32 (RNE; |v| > 5, inf and NaN saturate to 6), sign in bit 3. |v| (clamped to
-    6; NaN's bits clamp there too) plus the float 2^22 * e, e its binade (at least 1: the subnormal codes share 1's
-    spacing 0.5), rounds to nearest even at e's code spacing e / 2 in hardware; the sum's low bits count the steps
-    k and the code is 2 * log2(e) + k (identical to the RNE compare chain for all 2^32 inputs, half the ops)."""
+    """The 4-bit e2m1 code of a float32 (RNE; |v| > 5, inf and NaN saturate to 6), sign in bit 3, higher bits 0.
+    |v| (clamped to 6; NaN's bits clamp there too) plus the float 2^22 * e, e its binade (at least 1: the subnormal
+    codes share 1's spacing 0.5), rounds to nearest even at e's code spacing e / 2 in hardware; the sum s is 2^22 * e
+    plus k steps of its last place, its exponent field e's + 22, and the code 2 * log2(e) + k = k + 2 * (s's field)
+    - 298: the low 3 bits of s + (s >> 22) once the magic carries 6 = -298 mod 16 in its low bits (6 more steps of
+    the same grid: the rounding does not move). Identical to the RNE compare chain for all 2^32 inputs (and to the
+    earlier s - e + (e >> 22) - const form, checked exhaustively in C), half its ops."""
     x = T.reinterpret(v, "uint32")
     c = T.min(x & 0x7FFFFFFF, T.cast(0x40C00000, "uint32"))
     e = T.max(c & 0x7F800000, T.cast(0x3F800000, "uint32"))
-    s = T.reinterpret(T.reinterpret(c, "float32") + T.reinterpret(e + (22 << 23), "float32"), "uint32")
-    return T.cast((s - e + (e >> 22) - ((22 << 23) + 254)) | ((x >> 31) << 3), "int32")
+    s = T.reinterpret(T.reinterpret(c, "float32") + T.reinterpret(e + ((22 << 23) + 6), "float32"), "uint32")
+    return T.cast(((s + (s >> 22)) & 7) | ((x >> 31) << 3), "int32")
 
 
 @T.macro
