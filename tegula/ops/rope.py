@@ -27,12 +27,17 @@ from tegula.ops import _tk
 __all__ = ["apply_rotary"]
 
 _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+STREAM_MIN = 1 << 23  # calls rotating at least this many values write them back with streaming stores
 
 
 def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16, HB=4):
     """X (tokens, heads, D) rotated in place in its first R dims; a block takes BT tokens, all heads (their cos / sin
-    rows gathered once), token by token in tiles of HB heads."""
+    rows gathered once), token by token in tiles of HB heads. The token loop is pipelined: each tile's read is
+    preceded by a prefetch of the next token's (a head's rotated dims are a few lines of its row, which the
+    hardware prefetchers follow poorly). Where the rotated values of a call reach STREAM_MIN (bfloat16 / float32),
+    each head's run is written back by a streaming copy (bfloat16: the prelude's converting copy)."""
     NTOK, NH = T.dynamic("num_tokens"), T.dynamic("num_heads")
+    streams = dtype in ("bfloat16", "float32")
     ST, SH = T.dynamic("tok_stride"), T.dynamic("head_stride")
     NP, MAXP = T.dynamic("num_positions"), T.dynamic("max_position")
     R2 = R // 2
@@ -53,8 +58,9 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
                 pos[t] = T.clamp(p, 0, MAXP - 1)
             for t, i in T.Parallel(BT, R):
                 cs[t, i] = CS[pos[t], i]
-            for t in T.serial(BT):  # token by token, HB heads a tile: the rows run along memory (a tile of BT
-                for hc in T.serial(T.ceildiv(NH, HB)):  # tokens of one head strides by a token's whole size)
+            stream = streams and NTOK >= (STREAM_MIN + NH * R - 1) // (NH * R)
+            for t in T.Pipelined(BT, num_stages=2):  # token by token, HB heads a tile: the rows run along memory
+                for hc in T.serial(T.ceildiv(NH, HB)):  # (a tile of BT tokens of one head strides by a token)
                     T.copy(X[t0 + t, hc * HB:hc * HB + HB, 0:R], x)
                     for hh, i in T.Parallel(HB, R2):
                         c = cs[t, i]
@@ -67,7 +73,11 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
                             x1, x2 = x[hh, i], x[hh, R2 + i]
                             y[hh, i] = x1 * c - x2 * s
                             y[hh, R2 + i] = x2 * c + x1 * s
-                    T.copy(y, X[t0 + t, hc * HB:hc * HB + HB, 0:R])
+                    if stream:
+                        for hh in T.serial(HB):
+                            T.copy(y[hh, 0:R], X[t0 + t, hc * HB + hh, 0:R], eviction_policy="evict_first")
+                    else:
+                        T.copy(y, X[t0 + t, hc * HB:hc * HB + HB, 0:R])
     return rope
 
 

@@ -64,6 +64,25 @@ def test_apply_rotary(target, case):
     assert_equal(k.contiguous(), rk.contiguous())
 
 
+@pytest.mark.parametrize("dtype,inter", [(torch.bfloat16, False), (torch.float32, True)])
+def test_streamed_write_back(dtype, inter):
+    """Calls rotating >= rope.STREAM_MIN values write each head's rotated dims back by streaming copies (bfloat16:
+    the prelude's converting copy): heads not a multiple of the 4-head tiles, a slice of a fused qkv row (head
+    dims beyond rot_dim untouched), cache entries that make subnormal and tie results."""
+    nh, d, r = 18, 128, 64
+    n = -(-rope.STREAM_MIN // (nh * r)) + 3
+    qkv = torch.randn(n, (nh + 2) * d).to(dtype)
+    q = qkv[:, :nh * d].view(n, nh, d)
+    cs = torch.randn(4096, r)
+    cs[::7, :r // 2] = 3e-39  # cos subnormal, sin 0: x * c stays subnormal
+    cs[::7, r // 2:] = 0.0
+    pos = torch.randint(0, cs.shape[0], (n,))
+    rest, want = qkv[:, nh * d:].clone(), rope_ref(q, cs, pos, inter, False)
+    rope.apply_rotary(q, cs, None, pos, inter)
+    assert torch.equal(q.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    assert torch.equal(qkv[:, nh * d:], rest)
+
+
 def test_query_only_and_round_trip(target):
     n = 300 if target == "c" else 5
     q = torch.randn(n, 4, 64)
