@@ -37,11 +37,12 @@ _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16"
 
 
 @T.macro
-def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W):
+def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W, staged=False):
+    """staged: every chunk is copied into xf first (a T.copy, which a pipelined loop can prefetch ahead of)."""
     T.fill(acc, 0.0)
     xv = T.reshape(xf, (BM, W // LANES, LANES))
     for c in T.serial(T.ceildiv(hidden, W)):
-        if c * W + (W - 1) < hidden:  # a whole chunk: squares summed straight from X (no staging pass)
+        if not staged and c * W + (W - 1) < hidden:  # a whole chunk: squares summed straight from X
             for cc in T.serial(W // LANES):
                 for i, lane in T.Parallel(BM, LANES):
                     x = T.cast(X[r0 + i, c * W + cc * LANES + lane], "float32")
@@ -72,35 +73,46 @@ def _normalised(X, Wt, xf, wf, rstd, r0, c0, hidden, BM, W):
             xf[i, j] = xf[i, j] * wf[j] * rstd[i]
 
 
-def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=4):
+@T.macro
+def _rows(X, Wt, Y, xf, wf, acc, rstd, r0, H, eps, stream, in_dtype, BM, W, staged):
+    """rows r0 .. r0 + BM - 1 normalised into Y (stream: whole chunks written by streaming copies)."""
+    _rstd(X, xf, acc, rstd, r0, H, eps, BM, W, staged)
+    for c in T.serial(T.ceildiv(H, W)):
+        if c * W + (W - 1) < H and stream:  # a whole chunk of a large output: streamed (no line read)
+            T.copy(Wt[c * W], wf)  # widened once for the block's rows
+            for i, j in T.Parallel(BM, W):
+                xf[i, j] = T.cast(X[r0 + i, c * W + j], "float32") * wf[j] * rstd[i]
+            for i in T.serial(BM):
+                T.copy(xf[i, 0:W], Y[r0 + i, c * W:c * W + W], eviction_policy="evict_first")
+        elif c * W + (W - 1) < H:  # a whole chunk: normalised, rounded and stored in one pass
+            for i, j in T.Parallel(BM, W):
+                Y[r0 + i, c * W + j] = T.cast(T.cast(X[r0 + i, c * W + j], "float32") *
+                                              T.cast(Wt[c * W + j], "float32") * rstd[i], in_dtype)
+        else:
+            _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
+            T.copy(xf, Y[r0, c * W])
+
+
+def rmsnorm_kernel(in_dtype, w_dtype, W=256, BM=4, G=8):
+    """A block takes G groups of BM rows; where G > 1 the group loop is pipelined: the first pass stages each chunk
+    by a T.copy, which the pipelining precedes by a prefetch of the next group's chunk, so that the second pass's
+    arithmetic overlaps the next group's reads."""
     NT, H, XST = T.dynamic("num_tokens"), T.dynamic("hidden"), T.dynamic("x_stride")
     streams = in_dtype in ("bfloat16", "float32")
 
     @T.prim_func
     def rmsnorm(X: T.StridedTensor((NT, H), (XST, 1), in_dtype), Wt: T.Tensor((H,), w_dtype),
                 Y: T.Tensor((NT, H), in_dtype), eps: T.float32):
-        with T.Kernel(T.ceildiv(NT, BM)) as by:
-            r0 = by * BM
+        with T.Kernel(T.ceildiv(NT, BM * G)) as bg:
             xf = T.alloc_fragment((BM, W), "float32")
             wf = T.alloc_fragment((W,), "float32")
             acc = T.alloc_fragment((BM, LANES), "float32")
             rstd = T.alloc_fragment((BM,), "float32")
-            _rstd(X, xf, acc, rstd, r0, H, eps, BM, W)
             stream = streams and NT >= (STREAM_MIN + H - 1) // H
-            for c in T.serial(T.ceildiv(H, W)):
-                if c * W + (W - 1) < H and stream:  # a whole chunk of a large output: streamed (no line read)
-                    T.copy(Wt[c * W], wf)  # widened once for the block's rows
-                    for i, j in T.Parallel(BM, W):
-                        xf[i, j] = T.cast(X[r0 + i, c * W + j], "float32") * wf[j] * rstd[i]
-                    for i in T.serial(BM):
-                        T.copy(xf[i, 0:W], Y[r0 + i, c * W:c * W + W], eviction_policy="evict_first")
-                elif c * W + (W - 1) < H:  # a whole chunk: normalised, rounded and stored in one pass
-                    for i, j in T.Parallel(BM, W):
-                        Y[r0 + i, c * W + j] = T.cast(T.cast(X[r0 + i, c * W + j], "float32") *
-                                                      T.cast(Wt[c * W + j], "float32") * rstd[i], in_dtype)
-                else:
-                    _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
-                    T.copy(xf, Y[r0, c * W])
+            for g in T.Pipelined(G, num_stages=2):
+                r0 = (bg * G + g) * BM
+                if r0 < NT:
+                    _rows(X, Wt, Y, xf, wf, acc, rstd, r0, H, eps, stream, in_dtype, BM, W, G > 1)
     return rmsnorm
 
 
@@ -182,9 +194,10 @@ def rmsnorm(x, weight, eps: float = 1e-6):
     t = _tk.torch()
     x, weight, eps = _check(x, weight, eps)
     y = t.empty(x.shape, dtype=x.dtype)
-    if x.numel():  # blocks of 4 rows where the output streams (each chunk of the weight widened once for 4 rows)
-        bm = 4 if x.numel() >= STREAM_MIN else 1
-        _tk.kernel(rmsnorm_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)], 256, bm)(x, weight, y, eps)
+    if x.numel():  # where the output streams: groups of 4 rows (each chunk of the weight widened once for 4 rows),
+        big = x.numel() >= STREAM_MIN  # 8 groups a block, the next group prefetched; else one row a block
+        _tk.kernel(rmsnorm_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)], 256, 4 if big else 1,
+                   8 if big else 1)(x, weight, y, eps)
     return y
 
 

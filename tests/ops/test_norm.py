@@ -49,6 +49,18 @@ def test_rmsnorm_streamed_output(dtype):
     assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).to(dtype))
 
 
+def test_rmsnorm_kernel_row_groups(target):
+    """The kernel's default blocks (8 pipelined groups of 4 rows, each chunk staged) on an output below the
+    streaming size: rows past the last group's end, a partial chunk, a row stride."""
+    from tegula.ops import _tk
+    n = 37 if target == "c" else 5
+    x = torch.randn(n, 3 * 1000).bfloat16()[:, 1000:2000]
+    w = torch.randn(1000).bfloat16()
+    y = torch.empty(n, 1000, dtype=torch.bfloat16)
+    _tk.kernel(norm.rmsnorm_kernel, "bfloat16", "bfloat16")(x, w, y, 1e-6)
+    assert_equal(y, rmsnorm_ref(x, w, 1e-6).bfloat16())
+
+
 def test_rmsnorm_strided_rows(target):
     n = 257 if target == "c" else 3
     base = torch.randn(n, 3 * 2048).bfloat16()
