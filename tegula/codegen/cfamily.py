@@ -243,6 +243,9 @@ class CFamilyEmitter:
                 return f"({self.ex(value.cond)} ? {a} : {b})"
         if isinstance(value, E.Const) and value.value == 0 and math.copysign(1, value.value) > 0:
             return f"(({STORAGE[d.name]})0)"
+        if isinstance(value, E.Call) and value.name == "reinterpret" and value.dtype == d and \
+                not value.args[0].dtype.is_float:  # T.reinterpret(code, d) of an integer: the code is the bits
+            return f"(({STORAGE[d.name]}){self.ex(value.args[0])})"
         return None
 
     # statements --------------------------------------------------------------------------------

@@ -64,6 +64,18 @@ def e2m1_code(v):
 
 
 @T.macro
+def e4m3_in_range(v):
+    """T.cast(v, "float8_e4m3fn") for |v| < 464 or NaN, without the saturation to 448 that larger values need (one
+    min fewer than the prelude's tg_f32_to_f8e4m3, the same rounding: checked equal in C on every such float32)."""
+    x = T.reinterpret(v, "uint32")
+    a = x & 0x7FFFFFFF
+    e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
+    s = T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
+    r = T.if_then_else(a > 0x7F800000, T.cast(0x7F, "uint32"), s + (s >> 20))
+    return T.reinterpret(T.cast(((x >> 24) & 0x80) | r, "uint8"), "float8_e4m3fn")
+
+
+@T.macro
 def e2m1_value(code):
     """The float32 value of a 4-bit e2m1 code (an int32 in 0..15)."""
     m = code & 7
@@ -195,6 +207,8 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
                     T.reduce_absmax(T.reshape(xd, (BM, GB, G)), amax, dim=2)
                 else:
                     T.reduce_absmax(T.reshape(xf, (BM, GB, G)), amax, dim=2)
+                top = T.alloc_fragment((1,), "float32")  # the block's largest amax: finite -> |q| <= 448 (1 + 2^-22)
+                T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
                 word = T.alloc_fragment((BM, GB), "int32")
                 eb = T.alloc_fragment((BM, GB), "int32")
                 for i, g in T.Parallel(BM, GB):
@@ -206,7 +220,13 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
             if mode != "sf_only":
                 xg = T.reshape(xf, (BM, GB, G))
                 if fmt == "e4m3":  # scale and narrow in one pass, straight into Q (a whole block) or through q
-                    if r0 + (BM - 1) < QR and c0 + (W - 1) < QC:  # (the form guard_global_access proves from)
+                    # x * (448 / amax) is at most 448 (1 + 2^-22), or NaN (x NaN, or x = inf: amax = inf, inv = 0),
+                    # unless round_sf meets amax = inf (inv = -inf): then, and for given scales, the full cast
+                    if mode == "cast" and r0 + (BM - 1) < QR and c0 + (W - 1) < QC and (
+                            (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32")):
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            Q[r0 + i, c0 + g * G + k] = e4m3_in_range(scaled(xg, xs, inv, i, g, k, G, xbc, requant))
+                    elif r0 + (BM - 1) < QR and c0 + (W - 1) < QC:  # (the form guard_global_access proves from)
                         for i, g, k in T.Parallel(BM, GB, G):
                             Q[r0 + i, c0 + g * G + k] = scaled(xg, xs, inv, i, g, k, G, xbc, requant)
                     else:

@@ -77,6 +77,22 @@ def test_per_token_cast(target, case):
     check_bias(ref_cast_back(q, s, (1, g), "fp32"), x.float())
 
 
+@pytest.mark.parametrize("sfk", ["plain", "round", "ue8m0"])
+def test_per_token_cast_e4m3_infinities(target, sfk):
+    """Rows holding +-inf have amax inf: inv 0 (plain: zeros, NaN codes where x is inf) or -inf (round_sf: +-448,
+    a NaN code where x is 0). The kernel's cast without saturation (values within 448) must not take those blocks
+    under round_sf; whole 2048-column blocks on c, so both paths run."""
+    x = randn(rows(target, 6), 2048, scale=3.0)
+    x[1, 5], x[2, 700], x[3, 0], x[3, 1], x[4, 2047] = float("inf"), float("-inf"), 0.0, float("inf"), -1e30
+    kw = sf_opts(sfk)
+    q, s = quant.per_token_cast(x, "e4m3", 128, **kw)
+    rq, rs = ref_cast(x, "e4m3", (1, 128), **ref_opts(kw))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    nan_at = (3, 1) if sfk == "plain" else (3, 0)  # inf * 0, or 0 * -inf: the cases above do arise
+    assert int(q.view(torch.uint8)[nan_at]) & 0x7F == 0x7F
+
+
 def test_per_token_cast_strided_rows_and_modes(target):
     n = rows(target, 401)
     base = randn(n, 2 * 2048)
