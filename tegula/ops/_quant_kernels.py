@@ -362,6 +362,8 @@ def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
                             a = T.abs(T.cast(xr[0, j], "float32"))  # a > out ? a : out: max ignoring NaN, one maxps
                             cols[j] = T.if_then_else(a > cols[j], a, cols[j])
                 T.reduce_absmax(T.reshape(cols, (1, GB, bc)), amax, dim=2)
+                top = T.alloc_fragment((1,), "float32")
+                T.reduce_max(amax, top, dim=1)
                 word = T.alloc_fragment((1, GB), "int32")
                 eb = T.alloc_fragment((1, GB), "int32")
                 for i, g in T.Parallel(1, GB):
@@ -375,7 +377,12 @@ def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
                 for i, g, k in T.Parallel(1, GB, bc):
                     invc[i, g, k] = inv[0, g]
                 ic = T.reshape(invc, (HP,))
-                if fmt == "e4m3" and r0 + (bt - 1) < NT and HP - 1 < XC:  # a whole band: read, cast, store in place
+                if fmt == "e4m3" and mode == "cast" and r0 + (bt - 1) < NT and HP - 1 < XC and (
+                        (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32")):  # values within 448 (1 + 2^-22)
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HP):
+                            Q[r0 + r, j] = e4m3_in_range(T.cast(X[r0 + r, j], "float32") * ic[j])
+                elif fmt == "e4m3" and r0 + (bt - 1) < NT and HP - 1 < XC:  # a whole band: read, cast, store in place
                     for r in T.serial(bt):
                         for j in T.Parallel(HP):
                             Q[r0 + r, j] = T.cast(T.cast(X[r0 + r, j], "float32") * ic[j], "float8_e4m3fn")
@@ -430,9 +437,16 @@ def per_channel_cast(in_kind, HP, bt=128):
                     w_, v_, e_ = scale_of(amax[j], 448.0, 1e-4, rnd)
                     inv[j] = v_
                     S[by, j] = w_
-                for r in T.serial(bt):
-                    for j in T.Parallel(HP):
-                        Q[r0 + r, j] = T.cast(T.cast(X[r0 + r, j], "float32") * inv[j], "float8_e4m3fn")
+                top = T.alloc_fragment((1,), "float32")  # finite (or no round_sf): values within 448 (1 + 2^-22)
+                T.reduce_max(T.reshape(amax, (1, HP)), top, dim=1)
+                if (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HP):
+                            Q[r0 + r, j] = e4m3_in_range(T.cast(X[r0 + r, j], "float32") * inv[j])
+                else:
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HP):
+                            Q[r0 + r, j] = T.cast(T.cast(X[r0 + r, j], "float32") * inv[j], "float8_e4m3fn")
             else:
                 T.fill(amax, 0.0)
                 for r in T.serial(bt):

@@ -212,6 +212,23 @@ def test_per_channel_cast(target, round_sf, hidden, dtype):
     check_bias(ref_cast_back(q, s, (128, 1), "fp32"), x.float())
 
 
+@pytest.mark.parametrize("kind", ["block plain", "block round", "channel plain", "channel round"])
+def test_block_and_channel_cast_infinities(target, kind):
+    """+-inf in a scaling block: inv 0 (plain) or -inf (round_sf, where the c kernels must keep the full cast:
+    +-448, and a NaN code for 0 * -inf); whole 128-row bands on c."""
+    op, sfk = kind.split()
+    x = randn(256 if target == "c" else (128 if op == "channel" else 5), 256 if target == "c" else 130, scale=3.0)
+    x[1, 5], x[2, 9], x[3, 5], x[4, 120] = float("inf"), float("-inf"), 0.0, 1e30
+    if op == "block":
+        q, s = quant.per_block_cast(x, "e4m3", (128, 128), **sf_opts(sfk))
+        rq, rs = ref_cast(x, "e4m3", (128, 128), **ref_opts(sf_opts(sfk)))
+    else:
+        q, s = quant.per_channel_cast(x, "e4m3", 128, sfk == "round")
+        rq, rs = ref_cast(x, "e4m3", (128, 1), round_sf=sfk == "round")
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+
+
 # back to floats -------------------------------------------------------------------------------------------------
 
 CAST_BACK = [  # (fmt, out, block, scales)
