@@ -242,8 +242,9 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False, n: int = 0) -> tupl
         # x 7168 1.33 -> 1.0 ms, 4 x 7168 x 2048 1.54-1.64 -> 1.32-1.60); at K = 1536, 64 rows were faster
         # (4 x 24576 x 1536: 3.6 vs 4.6 ms)
         # fp8, one row, K <= 4096: 128 rows a block (64 where that pads n less), whose prelude call
-        # (fuse_gemm_scale, tg__dot_row1_scaled) reads 8 groups of 16 whole rows side by side, 8 streams of 16 x K
-        # bytes (1 thread, weights from DRAM: 1 x 24576 x 1536 4.4 -> 2.1 ms, 1 x 7168 x 2048 1.33 -> 0.85)
+        # (fuse_gemm_scale, tg__dot_row1_scaled) reads whole rows, in address order up to K = 2048, else 8 groups
+        # of 16 side by side, 8 streams of 16 x K bytes (1 thread, weights from DRAM: 1 x 24576 x 1536 4.4 -> 2.1 ms,
+        # 1 x 7168 x 2048 1.33 -> 0.85)
         esize = 1 if fp8 else 2
         bn = _fit_n(n, (128, 64)) if bm == 1 and fp8 and k <= 4096 else \
             16 if bm == 1 or (bm <= 4 and k >= 2048) else 64

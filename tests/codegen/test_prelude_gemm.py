@@ -338,7 +338,9 @@ def _check_scaled(lib, dt, m, n, k, kb, rng, constant=False):
 @pytest.mark.parametrize("dt", ["f32", "bf16", "f8e4m3", "f8e5m2"])
 def test_gemm_block_scaled_matches_numpy(lib, dt):
     rng = np.random.default_rng(7)
+    # one row: K <= 2048 reads the rows as one stream, longer K 8 / 4 / 2 / 1 groups side by side (200, 40 rows)
     for m, n, k, kb in [(1, 16, 256, 128), (1, 250, 1536, 128), (1, 40, 512, 64), (1, 7, 4096, 256),
+                        (1, 200, 3072, 128), (1, 40, 2560, 256),
                         (1, 20, 4352, 128), (2, 5, 128, 128), (3, 33, 2176, 128), (4, 16, 1152, 128),
                         (4, 64, 2048, 128), (5, 17, 2048, 64), (8, 40, 2048, 128), (4, 9, 300, 100),
                         (2, 70, 2048, 256), (6, 20, 4096, 128),

@@ -76,8 +76,10 @@ def _source(prim):
 @pytest.mark.parametrize("M,N,K,block_m,block_n", [(2, 32, 2048, 2, 16), (4, 40, 2048, 4, 16),
                                                    (3, 70, 2304, 4, 64), (8, 16, 2048, 8, 16), (4, 70, 1536, 4, 64),
                                                    (2, 20, 1536, 2, 16),
-                                                   # one row, K <= 4096: whole rows of B, 8 / 4 / 2 / 1 groups of 16
-                                                   (1, 200, 1536, 1, 128), (1, 40, 2048, 1, 64), (1, 16, 4096, 1, 16)])
+                                                   # one row, K <= 4096: whole rows of B, one stream (K <= 2048),
+                                                   # else 8 / 4 / 2 / 1 groups of 16 side by side
+                                                   (1, 200, 1536, 1, 128), (1, 40, 2048, 1, 64), (1, 16, 4096, 1, 16),
+                                                   (1, 200, 3072, 1, 128)])
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_fused_matches_interp(M, N, K, block_m, block_n, dtype):
     prim = scaled(M, N, K, block_m, block_n, 128, dtype=dtype)
