@@ -143,8 +143,8 @@ def column_absmax(xf, out, R, W):
 def scaled(xg, xs, inv, i, g, k, G, xbc, requant):
     """Element (i, g, k) of the (BM, GB, G) tile ``xg`` times its group's inverse scale (a re-quantised input: times
     its input scale first, TileKernels' order)."""
-    if requant:
-        return xg[i, g, k] * (xs[i, (g * G + k) // xbc] * inv[i, g])
+    if requant:  # input blocks covering whole groups: one input scale per group, no per-element division
+        return xg[i, g, k] * (xs[i, (g * G) // xbc if xbc % G == 0 else (g * G + k) // xbc] * inv[i, g])
     return xg[i, g, k] * inv[i, g]
 
 
@@ -202,8 +202,8 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
                 amax = T.alloc_fragment((BM, GB), "float32")
                 if requant:
                     xd = T.alloc_fragment((BM, W), "float32")
-                    for i, j in T.Parallel(BM, W):
-                        xd[i, j] = xf[i, j] * xs[i, j // xbc]
+                    for i, c, k in T.Parallel(BM, NB, xbc):  # (block, column in it): no per-element division
+                        xd[i, c * xbc + k] = xf[i, c * xbc + k] * xs[i, c]
                     T.reduce_absmax(T.reshape(xd, (BM, GB, G)), amax, dim=2)
                 else:
                     T.reduce_absmax(T.reshape(xf, (BM, GB, G)), amax, dim=2)

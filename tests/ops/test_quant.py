@@ -112,6 +112,7 @@ REQUANT = [  # (input fmt, input block, input scales, output fmt, num_per_channe
     ("e4m3", (128, 128), "round", "e4m3", 128),
     ("e2m1", (32, 32), "ue8m0", "e4m3", 128),
     ("e4m3", (32, 32), "colmajor", "e2m1", 32),
+    ("e4m3", (1, 128), "plain", "e4m3", 32),  # an input scale spans 4 output groups
 ]
 
 
