@@ -483,11 +483,19 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
             xf = T.alloc_fragment((BM, W), "float32")
             xs = T.alloc_fragment((BM, NB), "float32")
             if in_fmt == "e4m3" and bc != 0 and r0 + (BM - 1) < NT and c0 + (W - 1) < QC and c0 + (W - 1) < OC:
-                # a whole tile: read, scale, round and store in one pass (no float32 tile)
+                # a whole tile. bfloat16: read and scale into a float32 tile, then one converting streaming copy per
+                # row (tegula_stream.h: rounded in hardware where the ISA has it, Out's lines not read before they
+                # are written); float32: read, scale and store in one pass (a streaming copy measured slower)
                 load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
-                for i, c, k in T.Parallel(BM, NB, bc):
-                    Out[r0 + i, c0 + c * bc + k] = T.cast(T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c],
-                                                          out_dtype)
+                if out_dtype == "bfloat16":
+                    for i, c, k in T.Parallel(BM, NB, bc):
+                        xf[i, c * bc + k] = T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c]
+                    for i in T.serial(BM):
+                        T.copy(xf[i, 0:W], Out[r0 + i, c0:c0 + W], eviction_policy="evict_first")
+                else:
+                    for i, c, k in T.Parallel(BM, NB, bc):
+                        Out[r0 + i, c0 + c * bc + k] = T.cast(T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c],
+                                                              out_dtype)
             else:
                 load_tile(Q, xf, r0, c0, in_fmt, BM, W)
                 if bc == 0:
