@@ -446,6 +446,7 @@ TG__ALWAYS_INLINE void tg__dot_rows_scaled(int dt, int ROWS, int N, int K, int k
         }
     }
 }
+
 /* tg__dot_rows_scaled for one row of A and K <= TG__ROW1_KMAX (a decode step with short weight rows): each row of B
  * (column of C) is read whole along K, in address order, with one 16-lane running sum that each block's products are
  * scaled into; S <= 8 groups of 16 rows side by side, 64 bytes of each in turn, so that S streams of 16 * K
