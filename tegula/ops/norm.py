@@ -23,6 +23,7 @@ from tegula.ops._quant_kernels import (
     OUT_DTYPE,
     PACKED_SF,
     ROUND_SF,
+    e4m3_in_range,
     scale_of,
     store_quantized,
     store_scales,
@@ -158,17 +159,27 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
                     inv[i, g] = v_
                     if r0 + i < NT and g == 0:
                         S[r0 + i, 0] = T.if_then_else(packed, e_, w_)
+            top = T.alloc_fragment((1,), "float32")  # the largest amax of the chunk (G == 0: of the row)
+            if G == 0:
+                T.reduce_max(T.reshape(rmax, (1, BM)), top, dim=1)
             for c in T.serial(T.ceildiv(H, W)):
                 _normalised(X, Wt, xf, wf, rstd, r0, c * W, H, BM, W)
                 if G != 0:
                     T.reduce_absmax(xg, amax, dim=2)
+                    T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
                     for i, g in T.Parallel(BM, GB):
                         w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
                         word[i, g] = w_
                         inv[i, g] = v_
                         eb[i, g] = e_
                     store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H, G), packed, BM, GB)
-                if fmt == "e4m3" and c * W + (W - 1) < H:  # scale, narrow and store in one pass
+                # x * inv is within 448 (1 + 2^-22) or NaN (as in _quant_kernels.per_token_cast) unless round_sf
+                # meets an infinite amax: then the full cast
+                if fmt == "e4m3" and c * W + (W - 1) < H and ((flags & ROUND_SF) == 0 or
+                                                              top[0] < T.infinity("float32")):
+                    for i, g, k in T.Parallel(BM, GB, Gt):
+                        Q[r0 + i, c * W + g * Gt + k] = e4m3_in_range(xg[i, g, k] * inv[i, g])
+                elif fmt == "e4m3" and c * W + (W - 1) < H:  # scale, narrow and store in one pass
                     for i, g, k in T.Parallel(BM, GB, Gt):
                         Q[r0 + i, c * W + g * Gt + k] = T.cast(xg[i, g, k] * inv[i, g], "float8_e4m3fn")
                 else:

@@ -89,6 +89,31 @@ def test_rmsnorm_forward_and_per_token_cast(target, n, h, fmt, g, opts):
     check_bias(ref_cast_back(q, s, (1, g), "fp32"), y)
 
 
+@pytest.mark.parametrize("g,round_sf", [(128, False), (128, True), (2048, False), (2048, True)])
+def test_rmsnorm_forward_and_per_token_cast_infinities(target, g, round_sf):
+    """Normalised values of +-inf (x * w overflows float32) and NaN rows: amax inf gives inv 0 (plain: zeros, NaN
+    codes where y is inf) or -inf (round_sf: +-448, a NaN code where y is 0): the kernel's cast without saturation
+    (values within 448) must not take those chunks under round_sf. Whole 1024-column chunks, so both paths run."""
+    n, h = (6 if target == "c" else 4), 2048
+    x = torch.randn(n, h).bfloat16()
+    w = torch.randn(h).bfloat16()
+    w[5] = 1e38
+    x[:, 5] = 0.0
+    x[1, 5], x[2, 5], x[3, 0] = 1e19, -1e19, float("nan")
+    x[2, 9] = 0.0
+    q, s = norm.rmsnorm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", g, round_sf=round_sf)
+    y = rmsnorm_ref(x, w, 1e-6)
+    assert torch.isinf(y[1, 5]) and torch.isinf(y[2, 5]) and torch.isnan(y[3]).all()
+    rq, rs = ref_cast(y, "e4m3", (1, g), round_sf=round_sf)
+    keep = torch.arange(n) != 3  # the NaN row's amax: the kernels' max skips NaN (the clamp's scale), torch's is NaN
+    assert_equal(s[keep], rs[keep])
+    assert_equal(q, rq)
+    assert (q.view(torch.uint8)[3] & 0x7F == 0x7F).all()
+    assert int(q.view(torch.uint8)[2, 9 if round_sf else 5]) & 0x7F == 0x7F  # 0 * -inf, or -inf * 0
+    if round_sf:
+        assert int(q.view(torch.uint8)[1, 0]) & 0x7F in (0x7E, 0x00)  # +-448 or a zero: saturated, not wrapped
+
+
 def test_bad_input_names_the_argument():
     x, w = torch.randn(4, 64), torch.randn(64)
     for fn, exc, name in [
