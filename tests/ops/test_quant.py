@@ -175,6 +175,34 @@ def test_e5m6_round_trip(target, dtype, sfk):
     assert back.shape == (n, h)
 
 
+@pytest.mark.parametrize("fmt", ["e5m6", "e4m3"])
+def test_row_scale_cast_skips_nan(target, fmt):
+    """One scale per row: the row's amax skips NaN (the kernels' max; NaNs in whole 128-column chunks and in the
+    partial last one), so a row with NaNs gets the scale and the other codes of the same row with those zeroed."""
+    n, h = 4, 576
+    x = randn(n, h, scale=3.0)
+    x[1, 5], x[2, 570], x[3, 0] = float("nan"), float("nan"), float("nan")
+    x[3, 1:] = float("nan")
+    x[0, 9], x[0, 128 + 9] = 1000.0, float("nan")  # a NaN after the row's largest value, in its column of a chunk
+    z = torch.nan_to_num(x, nan=0.0)
+    q, s = quant.per_token_cast(x, fmt, h)
+    qz, sz = quant.per_token_cast(z, fmt, h)
+    assert_equal(s, sz)
+    rq, rs = ref_cast(z, fmt, (1, h))
+    assert_equal(sz, rs)
+    assert_equal(qz, rq)
+    if fmt == "e5m6":
+        codes, codes_z = e5m6_decode(q), e5m6_decode(qz)
+        nan = torch.isnan(x)
+        assert torch.isnan(codes[nan]).all()
+        assert_equal(codes[~nan], codes_z[~nan])
+    else:
+        nan = torch.isnan(x)
+        qb, qzb = q.view(torch.uint8), qz.view(torch.uint8)
+        assert ((qb[nan] & 0x7F) == 0x7F).all()
+        assert_equal(qb[~nan], qzb[~nan])
+
+
 # per-block and per-channel --------------------------------------------------------------------------------------
 
 PER_BLOCK = [  # (tokens, hidden, dtype, fmt, block, scales)
