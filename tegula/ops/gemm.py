@@ -245,9 +245,13 @@ def _tiles(m: int, k: int, fp8: bool, grouped: bool = False, n: int = 0) -> tupl
         # (fuse_gemm_scale, tg__dot_row1_scaled) reads whole rows, in address order up to K = 2048, else 8 groups
         # of 16 side by side, 8 streams of 16 x K bytes (1 thread, weights from DRAM: 1 x 24576 x 1536 4.4 -> 2.1 ms,
         # 1 x 7168 x 2048 1.33 -> 0.85)
+        # fp8, 9-16 rows: the prelude holds A's rows in vector lanes and reads B in place (tileops.gemm.rows_in_lanes);
+        # 128 columns a block up to K = 2048 (A is packed once per block; 1 thread, weights from DRAM, speed-up over
+        # the staged kernel with 64 / 128 columns: 16 x 24576 x 1536 1.11-1.13 / 1.17x, 16 x 7168 x 2048 1.15-1.20
+        # / 1.17-1.21x), 64 beyond (K = 7168: alike within noise; 2 threads share 2112 columns in 33 blocks)
         esize = 1 if fp8 else 2
         bn = _fit_n(n, (128, 64)) if bm == 1 and fp8 and k <= 4096 else \
-            16 if bm == 1 or (bm <= 4 and k >= 2048) else 64
+            16 if bm == 1 or (bm <= 4 and k >= 2048) else 128 if bm == 16 and fp8 and k <= 2048 else 64
         c = max(d for d in range(1, kb + 1) if kb % d == 0 and max(bn, 64) * d * SF_K * esize <= 1 << 20)
         return bm, bn, c * SF_K
     if not fp8:

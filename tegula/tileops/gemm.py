@@ -42,7 +42,7 @@ def reads_in_place(s: S.Gemm) -> bool:
     first is a copy (from L3 / DRAM) that only adds time (256 x 256 tiles, 1 thread, generated C alternated:
     4096 x 2112 x 7168 0.89 -> 0.95 of torch, 4096 x 7168 x 2048 +3%). fp8, whose A the prelude converts in
     64-row panels, measured 3-4% slower in place (4096 x 2112 x 7168) and keeps its staged tiles."""
-    if reads_b_in_place(s):
+    if reads_b_in_place(s) or rows_in_lanes(s):
         return True
     m, n = tile2(s.c)
     return s.trans_b and not s.trans_a and s.a.dtype.name == "bfloat16" and m >= 128 and n >= 128
@@ -65,10 +65,25 @@ def scales_on_panels(s: S.Gemm) -> bool:
     """Whether the c target's prelude computes a block-scaled product (tg_gemm_<dt>_bscaled) of ``s``'s tile shape
     on its panel path, each register block's product over one block of K scaled into C from an L1 tile
     (tg__blocks with scales): B transposed, A not, 128 rows or more (compute-bound tiles), blocks of K <= 128.
-    That saves the loop's pass over a cleared block accumulator in L2, written by the gemm and read back."""
+    That saves the loop's pass over a cleared block accumulator in L2, written by the gemm and read back. Tiles of
+    9-16 rows of e4m3 (``rows_in_lanes``) are fused too: the prelude computes those with A's rows in lanes."""
     if s.trans_a or not s.trans_b or s.a.dtype.name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         return False
-    return tile2(s.c)[0] >= 128 and tile2(s.a)[1] <= 128
+    return tile2(s.c)[0] >= 128 and tile2(s.a)[1] <= 128 or rows_in_lanes(s)
+
+
+def rows_in_lanes(s: S.Gemm) -> bool:
+    """Whether the c target's prelude computes a block-scaled product of ``s``'s tiles with A's 9-16 rows in vector
+    lanes (tegula_gemm.h tg__lanes16: e4m3, B transposed, A not, blocks of K a multiple of 64 up to 256): B's
+    rows are converted in place and broadcast a pair at a time, never packed into panels, so B and A are read in
+    place (elide_staging) rather than copied into staged tiles first. Only a gemm of one block of a longer K (the
+    block-scaled loop fuse_gemm_scale fuses: B's buffer holds several blocks) counts; a whole-K product (the
+    indexer's q @ kv^T) keeps its staged tiles."""
+    if s.trans_a or not s.trans_b or s.a.dtype.name != "float8_e4m3fn":
+        return False
+    m, kw = tile2(s.c)[0], tile2(s.a)[1]
+    k_buf = E.const_value(E.as_expr(s.b.buffer.shape[-1]))
+    return 8 < m <= 16 and kw % 64 == 0 and kw <= 256 and isinstance(k_buf, int) and k_buf > kw
 
 
 def tile2(rg) -> tuple:

@@ -52,7 +52,7 @@ CONSTANT_CALLS = [
 # (M, N, K) of e4m3 block-scaled calls compiled with constant arguments, as the fp8 decode kernels make them
 SCALED_CONSTANT = [(1, 16, 7168), (1, 128, 1536), (1, 64, 2048), (2, 16, 2048), (4, 16, 7168), (4, 64, 1536),
                    (4, 64, 2048), (8, 16, 256),
-                   (3, 33, 2176), (256, 128, 256), (40, 70, 384), (512, 96, 256)]
+                   (3, 33, 2176), (256, 128, 256), (40, 70, 384), (512, 96, 256), (16, 64, 2048), (12, 128, 1536)]
 # (M, N, K, transB) of bf16 calls with B's rows at addresses, constant arguments (the sparse prefill's two gemms)
 ROWS_CONSTANT = [(64, 64, 576, 1), (64, 32, 576, 1), (64, 512, 64, 0), (64, 512, 32, 0)]
 SHAPES = [
@@ -346,7 +346,11 @@ def test_gemm_block_scaled_matches_numpy(lib, dt):
                         (2, 70, 2048, 256), (6, 20, 4096, 128),
                         # more rows: the panel path, each register block's product scaled into C
                         (9, 20, 256, 128), (16, 40, 512, 128), (70, 150, 384, 128), (130, 33, 256, 64),
-                        (12, 40, 512, 256)]:
+                        (12, 40, 512, 256),
+                        # 9-16 rows of e4m3 (tg__gemm_lanes16: A's rows in lanes, B's pairs broadcast), partial
+                        # column groups, fewer columns than a group, blocks of 64 and 256
+                        (16, 64, 2048, 128), (13, 37, 1024, 64), (10, 5, 384, 128), (16, 17, 512, 256),
+                        (11, 33, 7168, 128)]:
         _check_scaled(lib, dt, m, n, k, kb, rng)
 
 

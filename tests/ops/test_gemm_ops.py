@@ -56,7 +56,9 @@ def dequant_b(q, sf):
 @pytest.mark.parametrize("m,n,k", [(1, 264, 896), (4, 264, 896), (128, 264, 896), (200, 264, 896), (1, 36, 448),
                                    (64, 132, 448), (300, 264, 896), (600, 200, 384),
                                    (512, 192, 256),  # 512- / 256-row blocks; 96 columns (n 264, 192)
-                                   (1, 200, 1536)])  # one row, K <= 4096: 128-column blocks, the last partial
+                                   (1, 200, 1536),  # one row, K <= 4096: 128-column blocks, the last partial
+                                   # 9-16 rows: A's rows in vector lanes, B read in place (a partial K: staged)
+                                   (16, 264, 896), (12, 200, 1536), (16, 132, 448)])
 def test_fp8_gemm_nt(m, n, k):
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     (qa, sa), (qb, sb) = quant(a, b)
@@ -104,7 +106,7 @@ def test_fp8_gemm_accumulate_fp32():
     assert dg.calc_diff(d, c + dequant_a(*qa) @ dequant_b(*qb).T) < 1e-9
 
 
-@pytest.mark.parametrize("m", [48, 1])
+@pytest.mark.parametrize("m", [48, 16, 1])
 @pytest.mark.parametrize("scales", ["packed", "e8m0", "per_row_fp32"])
 def test_fp8_gemm_scale_formats(scales, m):
     n, k = 132, 448

@@ -51,6 +51,7 @@
 #define TEGULA_GEMM_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 #include "tegula_types.h"
@@ -359,6 +360,110 @@ TG__ALWAYS_INLINE void tg__gemm_dot(int dt, int M, int N, int K, const void *A, 
 }
 #endif
 
+#if TG__HAVE_BF16_PAIRS
+/* Block-scaled products of 9-16 rows of A (a decode step), e4m3 B transposed, blocks of K a multiple of 64 up to
+ * 256 (tileops.gemm.rows_in_lanes mirrors this): C^T's register block is 16 columns (one accumulator each) x the 16
+ * rows of A in the lanes. A is packed once, 16 rows x one pair of K a vector (tg__transpose16); B's rows are only
+ * converted (16 rows x one block of K at a time, into L1) and each pair broadcast, so B needs no transposes (the
+ * panel path's packing of B, two 16 x 16 transposes per 16 x 64 elements, cost about half its products at 16
+ * rows). Each block's sums are scaled into running sums in L1 (rows' scales in lanes, the column's broadcast);
+ * a 16 x 16 transpose per 16 columns at the end adds them to C. */
+TG__ALWAYS_INLINE int tg__lanes16(int M, int N, int K, int kb)
+{
+    return M > 8 && M <= 16 && N > 0 && kb % 64 == 0 && kb <= 256 && K % kb == 0;
+}
+
+/* a buffer of at least `bytes` per thread, kept for later calls */
+static inline void *tg__scratch(size_t bytes)
+{
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = TG__ROUND(bytes, 64);
+        buf = aligned_alloc(64, cap);
+    }
+    return buf;
+}
+
+static int tg__gemm_lanes16(int dt, int M, int N, int K, const void *A, int lda, const void *B, int ldb, float *C,
+                             int ldc, const float *sa, int ldsa, const float *sb, int ldsb, int kb)
+{
+    const int es = tg__esize(dt), nb = K / kb, ub = kb / 2;
+    __m512i *at = (__m512i *)tg__scratch((size_t)K * 32 + (size_t)nb * 64 + 16 * 64); /* unit u of rows: at[u] */
+    if (!at)
+        return 0; /* no memory: the caller takes the panel path */
+    __m512 *sav = (__m512 *)(at + K / 2);          /* block t's scales of A's rows */
+    float *tot = (float *)(sav + nb);              /* column c's running sums: tot[16 c ..]; in L1, not registers
+                                                    * (with the 16 accumulators they would spill one of those) */
+    uint16_t bc[16 * 256] __attribute__((aligned(64))); /* 16 rows of B, one block, bf16 */
+    for (int k0 = 0; k0 < K; k0 += 64) {
+        __m512i v[16], w[16];
+        for (int r = 0; r < 16; r++) {
+            v[r] = w[r] = _mm512_setzero_si512();
+            if (r < M)
+                tg__load64_bf16(dt, (const char *)A + ((long)r * lda + k0) * es, 64, &v[r], &w[r]);
+        }
+        tg__transpose16(v);
+        tg__transpose16(w);
+        for (int q = 0; q < 16; q++) {
+            _mm512_store_si512(at + k0 / 2 + q, v[q]);
+            _mm512_store_si512(at + k0 / 2 + 16 + q, w[q]);
+        }
+    }
+    for (int t = 0; t < nb; t++) {
+        float x[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++)
+            x[r] = r < M ? sa[(long)r * ldsa + t] : 0.0f;
+        sav[t] = _mm512_load_ps(x);
+    }
+    for (int j0 = 0; j0 < N; j0 += 16) {
+        const int nc = TG__MIN(16, N - j0);
+        for (int c = 0; c < 16; c++)
+            _mm512_store_ps(tot + 16 * c, _mm512_setzero_ps());
+        for (int t = 0; t < nb; t++) {
+            for (int c = 0; c < 16; c++) {
+                const char *b = (const char *)B + ((long)(j0 + TG__MIN(c, nc - 1)) * ldb + (long)t * kb) * es;
+                for (int k = 0; k < kb; k += 64) {
+                    __m512i x0, x1;
+                    if (t + 2 < nb) /* two blocks ahead along the row (16 streams of B read in place) */
+                        __builtin_prefetch(b + (long)(2 * kb + k) * es);
+                    tg__load64_bf16(dt, b + (long)k * es, 64, &x0, &x1);
+                    _mm512_store_si512(bc + c * kb + k, x0);
+                    _mm512_store_si512(bc + c * kb + k + 32, x1);
+                }
+            }
+            __m512 acc[16];
+            for (int c = 0; c < 16; c++)
+                acc[c] = _mm512_setzero_ps();
+            const __m512i *a = at + (long)t * ub;
+            for (int u = 0; u < ub; u++) {
+                const __m512bh av = (__m512bh)_mm512_load_si512(a + u);
+                for (int c = 0; c < 16; c++) { /* the pair broadcast last: vdpbf16ps's embedded broadcast */
+                    uint32_t p;
+                    memcpy(&p, bc + c * kb + 2 * u, 4);
+                    acc[c] = _mm512_dpbf16_ps(acc[c], av, (__m512bh)_mm512_set1_epi32((int)p));
+                }
+            }
+            const float *sbt = sb + (long)t * ldsb + j0;
+            for (int c = 0; c < 16; c++)
+                _mm512_store_ps(tot + 16 * c, _mm512_fmadd_ps(acc[c], _mm512_mul_ps(sav[t], _mm512_set1_ps(sbt[TG__MIN(c, nc - 1)])),
+                                                              _mm512_load_ps(tot + 16 * c)));
+        }
+        __m512i r[16];
+        for (int c = 0; c < 16; c++)
+            r[c] = _mm512_castps_si512(_mm512_load_ps(tot + 16 * c));
+        tg__transpose16(r); /* r[i]: row i, columns j0 .. j0 + 15 */
+        const __mmask16 cm = tg__m16(nc);
+        for (int i = 0; i < M; i++) {
+            float *cp = C + (long)i * ldc + j0;
+            _mm512_mask_storeu_ps(cp, cm, _mm512_add_ps(_mm512_maskz_loadu_ps(cm, cp), _mm512_castsi512_ps(r[i])));
+        }
+    }
+    return 1;
+}
+#endif
+
 /* The one driver behind every tg_gemm_<dt>; dt is a constant at every call. */
 TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, int lda, int transA, const void *B,
                                   int ldb, int transB, void *C, int ldc, int clear, const tg_gemm_next *next,
@@ -386,6 +491,13 @@ TG__ALWAYS_INLINE void tg__gemm_s(int dt, int M, int N, int K, const void *A, in
         tg__gemm_dot(dt, M, N, K, A, lda, B, ldb, (float *)C, ldc, clear, next);
         return;
     }
+#endif
+#if TG__HAVE_BF16_PAIRS
+    /* block-scaled, 9-16 rows (a decode step), e4m3 B transposed: A's rows in vector lanes, B's rows converted
+     * and broadcast a pair at a time (tg__gemm_lanes16) */
+    if (scaled && perm64 && !brows && tg__lanes16(M, N, K, kb) &&
+        tg__gemm_lanes16(dt, M, N, K, A, lda, B, ldb, (float *)C, ldc, sa, ldsa, sb, ldsb, kb))
+        return;
 #endif
     tg__pf pf;
     if (next)
