@@ -439,10 +439,16 @@ static int tg__gemm_lanes16(int dt, int M, int N, int K, const void *A, int lda,
             const __m512i *a = at + (long)t * ub;
             for (int u = 0; u < ub; u++) {
                 const __m512bh av = (__m512bh)_mm512_load_si512(a + u);
-                for (int c = 0; c < 16; c++) { /* the pair broadcast last: vdpbf16ps's embedded broadcast */
+                for (int c = 0; c < 16; c++) {
+#if defined(__GNUC__) && defined(__x86_64__)
+                    /* the pair as vdpbf16ps's embedded broadcast (gcc broadcasts it into a register of its own,
+                     * and with the 16 accumulators and e4m3's tables one accumulator then lives on the stack) */
+                    __asm__("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(acc[c]) : "m"(*(const uint32_t *)(bc + c * kb + 2 * u)), "v"(av));
+#else
                     uint32_t p;
                     memcpy(&p, bc + c * kb + 2 * u, 4);
                     acc[c] = _mm512_dpbf16_ps(acc[c], av, (__m512bh)_mm512_set1_epi32((int)p));
+#endif
                 }
             }
             const float *sbt = sb + (long)t * ldsb + j0;
