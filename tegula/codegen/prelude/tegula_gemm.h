@@ -426,8 +426,10 @@ static int tg__gemm_lanes16(int dt, int M, int N, int K, const void *A, int lda,
                 const char *b = (const char *)B + ((long)(j0 + TG__MIN(c, nc - 1)) * ldb + (long)t * kb) * es;
                 for (int k = 0; k < kb; k += 64) {
                     __m512i x0, x1;
-                    if (t + 2 < nb) /* two blocks ahead along the row (16 streams of B read in place) */
-                        __builtin_prefetch(b + (long)(2 * kb + k) * es);
+                    /* the next block along the row (16 streams of B read in place; 1 thread, from DRAM: 1-4%
+                     * faster than two blocks ahead, 2-9% than four, 11-19% than nothing ahead) */
+                    if (t + 1 < nb)
+                        __builtin_prefetch(b + (long)(kb + k) * es);
                     tg__load64_bf16(dt, b + (long)k * es, 64, &x0, &x1);
                     _mm512_store_si512(bc + c * kb + k, x0);
                     _mm512_store_si512(bc + c * kb + k + 32, x1);
