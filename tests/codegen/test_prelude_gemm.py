@@ -182,20 +182,18 @@ def _operand(dt: str, rows: int, cols: int, pad: int, rng) -> tuple[np.ndarray, 
     return t.view(view).numpy().copy(), t.float().numpy()[:, :cols].astype(np.float64)
 
 
-def _check(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
-    a, a64 = _operand(dt, *((k, m) if ta else (m, k)), PAD_A, rng)
-    b, b64 = _operand(dt, *((n, k) if tb else (k, n)), PAD_B, rng)
+def _c_and_operands(dt, m, n, ta, tb, a64, b64, rng):
+    """A random C of m x (n + PAD_C) (int32 for i8), its copy, and the float64 operands as the call applies them."""
     ctype = np.int32 if dt == "i8" else np.float32
     c = rng.integers(-1000, 1000, size=(m, n + PAD_C)) if dt == "i8" else rng.standard_normal((m, n + PAD_C))
     c = c.astype(ctype)
-    c0 = c.copy()
-    opa, opb = (a64.T if ta else a64), (b64.T if tb else b64)
+    return c, c.copy(), (a64.T if ta else a64), (b64.T if tb else b64)
+
+
+def _assert_product(dt, m, n, k, ta, tb, clear, opa, opb, c, c0):
+    """C's first n columns hold opa @ opb (+ C0 unless clear): exact for i8, within a K-scaled bound otherwise;
+    the columns past n untouched."""
     ref = opa @ opb + (0 if clear else c0[:, :n].astype(np.float64))
-    ptr = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
-    if constant:
-        fn(ptr[0], ptr[1], ptr[2], clear)
-    else:
-        fn(m, n, k, ptr[0], a.shape[1], ta, ptr[1], b.shape[1], tb, ptr[2], c.shape[1], clear)
     where = f"{dt} {m}x{n}x{k} transA={ta} transB={tb} clear={clear}"
     np.testing.assert_array_equal(c[:, n:], c0[:, n:], err_msg=f"{where}: wrote past the row")
     if dt == "i8":
@@ -204,6 +202,18 @@ def _check(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
         scale = np.abs(opa) @ np.abs(opb) + (0 if clear else np.abs(c0[:, :n]))
         bad = np.abs(c[:, :n] - ref) > 1e-5 * (k + 1) * scale + 1e-30
         assert not bad.any(), f"{where}: {bad.sum()} wrong, first at {np.argwhere(bad)[0]}"
+
+
+def _check(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
+    a, a64 = _operand(dt, *((k, m) if ta else (m, k)), PAD_A, rng)
+    b, b64 = _operand(dt, *((n, k) if tb else (k, n)), PAD_B, rng)
+    c, c0, opa, opb = _c_and_operands(dt, m, n, ta, tb, a64, b64, rng)
+    ptr = [x.ctypes.data_as(ctypes.c_void_p) for x in (a, b, c)]
+    if constant:
+        fn(ptr[0], ptr[1], ptr[2], clear)
+    else:
+        fn(m, n, k, ptr[0], a.shape[1], ta, ptr[1], b.shape[1], tb, ptr[2], c.shape[1], clear)
+    _assert_product(dt, m, n, k, ta, tb, clear, opa, opb, c, c0)
 
 
 @pytest.mark.parametrize("trans", [(0, 0), (0, 1), (1, 0), (1, 1)], ids=["nn", "nt", "tn", "tt"])
@@ -385,25 +395,13 @@ def _check_rows(fn, dt, m, n, k, ta, tb, clear, rng, constant=False):
     pick = rng.integers(0, pool_rows, size=nrow)
     rows = (pool.ctypes.data + pick * pool.strides[0]).astype(np.int64)
     b64 = p64[pick, bcol:]
-    ctype = np.int32 if dt == "i8" else np.float32
-    c = (rng.integers(-1000, 1000, size=(m, n + PAD_C)) if dt == "i8" else rng.standard_normal((m, n + PAD_C)))
-    c = c.astype(ctype)
-    c0 = c.copy()
-    opa, opb = (a64.T if ta else a64), (b64.T if tb else b64)
-    ref = opa @ opb + (0 if clear else c0[:, :n].astype(np.float64))
+    c, c0, opa, opb = _c_and_operands(dt, m, n, ta, tb, a64, b64, rng)
     pa, pr, pc = (x.ctypes.data_as(ctypes.c_void_p) for x in (a, rows, c))
     if constant:
         fn(pa, pr, pc, clear)
     else:
         fn(m, n, k, pa, a.shape[1], ta, pr, bcol, tb, pc, c.shape[1], clear)
-    where = f"{dt} {m}x{n}x{k} transA={ta} transB={tb} clear={clear}"
-    np.testing.assert_array_equal(c[:, n:], c0[:, n:], err_msg=f"{where}: wrote past the row")
-    if dt == "i8":
-        np.testing.assert_array_equal(c[:, :n], ref.astype(np.int64).astype(np.int32), err_msg=where)
-    else:
-        scale = np.abs(opa) @ np.abs(opb) + (0 if clear else np.abs(c0[:, :n]))
-        bad = np.abs(c[:, :n] - ref) > 1e-5 * (k + 1) * scale + 1e-30
-        assert not bad.any(), f"{where}: {bad.sum()} wrong, first at {np.argwhere(bad)[0]}"
+    _assert_product(dt, m, n, k, ta, tb, clear, opa, opb, c, c0)
 
 
 @pytest.mark.parametrize("trans", [(0, 0), (0, 1), (1, 0), (1, 1)], ids=["nn", "nt", "tn", "tt"])
