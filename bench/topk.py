@@ -7,11 +7,12 @@ rows: fp32 logits over a 129280-token vocabulary, k = 512, sorted by value. Both
 outputs (torch.topk(out=...), topk(output_idx=...); the values tensor of topk is allocated per call, as
 deep_select does). Inputs of 1 MB and more are memory-bound: each call then reads the next of a pool of copies
 whose total is beyond the last-level cache; smaller inputs stay cache-resident, as they are when the indexer
-has just written them. The read bandwidth that the largest rows are compared with is measured here, by a T.*
-kernel that reads a 256 MiB tensor once (a row maximum), and the plain copy bandwidth of bench.common is shown
-beside it. tegula and torch samples alternate (ratios from one run); medians over repeats, with the spread
-(max - min) / median. On a machine shared with other work, ``--threads 1 --cpu-time`` times both sides in the
-calling thread's CPU time.
+has just written them. A memory-bound row's 'of read BW' divides its GB/s by a T.* kernel that only reads (a row
+maximum over the same pool's bytes, as int32 in 128 KiB rows), sampled in turn with tegula and torch: the host's
+memory speed moves from minute to minute, so one figure timed at the start would put its error into every row. The
+start-up read over 256 MiB and the plain copy bandwidth of bench.common are printed for reference. tegula, torch
+(and the read) samples alternate (ratios from one run); medians over repeats, with the spread (max - min) / median.
+On a machine shared with other work, ``--threads 1 --cpu-time`` times both sides in the calling thread's CPU time.
 """
 from __future__ import annotations
 
@@ -66,6 +67,28 @@ def read_bandwidth(reps: int) -> float:
     assert torch.equal(y, x.amax(1))
     t = side_by_side({"read": lambda: k(x, y)}, reps)["read"][0]
     return x.numel() * 4 / t / 1e9
+
+
+READ_ROW = 1 << 15   # int32 elements per row of the read kernel (128 KiB)
+_READ_KERNELS: dict = {}
+
+
+def read_of(pool):
+    """(fn, bytes per call): the row-max read kernel over the next tensor of ``pool`` each call, its bytes seen as
+    int32 rows of READ_ROW (a tail shorter than a row is left out, and not counted); None below one row."""
+    nbytes = pool[0].numel() * pool[0].element_size()
+    rows = nbytes // 4 // READ_ROW
+    if rows == 0:
+        return None
+    k = _READ_KERNELS.get(rows)
+    if k is None:
+        k = _READ_KERNELS[rows] = tegula.compile(rowmax_kernel(rows, READ_ROW), target="c")
+    views = [p.reshape(-1).view(torch.int32)[:rows * READ_ROW].view(rows, READ_ROW) for p in pool]
+    y = torch.empty(rows, dtype=torch.int32)
+    k(views[0], y)
+    assert torch.equal(y, views[0].amax(1))
+    it = itertools.cycle(views)
+    return (lambda: k(next(it), y)), rows * READ_ROW * 4
 
 
 def pool_of(x):
@@ -134,21 +157,28 @@ def main(argv=None):
         check(x, k, v, i, by_value)
         ours_it, torch_it = itertools.cycle(pool), itertools.cycle(pool)
         reps = args.reps if b * n < (64 << 20) else max(3, args.reps // 2)
-        t = side_by_side({"tegula": lambda: topk(next(ours_it), k, sorted=by_value, output_idx=idx),
-                          "torch": lambda: torch.topk(next(torch_it), k, dim=1, sorted=by_value, out=(tv, ti))},
-                         reps)
+        fns = {"tegula": lambda: topk(next(ours_it), k, sorted=by_value, output_idx=idx),
+               "torch": lambda: torch.topk(next(torch_it), k, dim=1, sorted=by_value, out=(tv, ti))}
+        dram = x.numel() * x.element_size() >= POOL_MIN_BYTES
+        read = read_of(pool) if dram else None
+        if read is not None:
+            fns["read"] = read[0]
+        t = side_by_side(fns, reps)
         (tm, tlo, thi), (pm, plo, phi) = t["tegula"], t["torch"]
         gbs = x.numel() * x.element_size() / tm / 1e9
+        rbw = read[1] / t["read"][0] / 1e9 if read is not None else read_bw
         rows.append([label[(name, dtype, k, b, n, by_value)], tm * 1e3, f"{(thi - tlo) / tm:.0%}",
-                     pm * 1e3, f"{(phi - plo) / pm:.0%}", pm / tm, gbs, gbs / read_bw,
-                     "DRAM" if x.numel() * x.element_size() >= POOL_MIN_BYTES else "cache"])
+                     pm * 1e3, f"{(phi - plo) / pm:.0%}", pm / tm, gbs, rbw if read is not None else "",
+                     gbs / rbw, "DRAM" if dram else "cache"])
         print(f"  {rows[-1][0]}: {tm * 1e3:.4g} ms vs torch {pm * 1e3:.4g} ms", flush=True)
     print_table(f"top-k, {torch.get_num_threads()} threads, {clock} (medians of {args.reps} alternating samples, "
                 "3 for the largest; spread = (max - min) / median)",
-                ["shape", "tegula ms", "spread", "torch ms", "spread", "torch/tegula", "GB/s", "of read BW",
-                 "input"], rows)
-    print("torch/tegula > 1: tegula is faster. GB/s: input bytes / tegula time; 'of read BW' against the "
-          f"measured {read_bw:.1f} GB/s. input: DRAM = a pool of copies beyond the LLC, cache = one hot copy.")
+                ["shape", "tegula ms", "spread", "torch ms", "spread", "torch/tegula", "GB/s", "read GB/s",
+                 "of read BW", "input"], rows)
+    print("torch/tegula > 1: tegula is faster. GB/s: input bytes / tegula time; 'of read BW': against the read of "
+          "the same pool sampled in turn ('read GB/s') for DRAM rows, against the start-up read "
+          f"({read_bw:.1f} GB/s) for cache-resident ones. input: DRAM = a pool of copies beyond the LLC, cache = one "
+          "hot copy.")
 
 
 if __name__ == "__main__":
