@@ -10,17 +10,13 @@ have the form are emitted as written. The prelude routines are built once per IS
 it).
 """
 import ctypes
-import os
-import subprocess
 
 import pytest
 import torch
+from prelude_driver import build, native_macros
 
 import tegula
 import tegula.language as T
-
-PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen", "prelude")
-CC = os.environ.get("TEGULA_CC", "cc")
 
 
 def ballot_kernel(rows, width, udtype, op="sum", xdtype="int32"):
@@ -263,8 +259,7 @@ def test_other_loops_equal_interp(vdtype, step):
 
 
 def _paths():
-    out = subprocess.run([CC, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
-    have = {m for m in ("__AVX512F__", "__AVX2__", "__BMI2__", "__AVX512VBMI2__") if f"#define {m} " in out}
+    have = native_macros()
     paths = [("native", [])]
     if "__AVX512VBMI2__" in have:
         paths.append(("AVX-512 without VBMI2", ["__AVX512VBMI2__"]))
@@ -286,12 +281,7 @@ void compress32_16(void *d, const void *s, uint32_t mask) { tg_compress32_16(d, 
 
 @pytest.mark.parametrize("name,undef", _paths())
 def test_prelude_every_path(tmp_path, name, undef):
-    src = tmp_path / "drv.c"
-    src.write_text(DRIVER)
-    so = tmp_path / "drv.so"
-    subprocess.run([CC, "-O2", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-Werror",
-                    *[f"-U{m}" for m in undef], "-I", PRELUDE, str(src), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build(tmp_path, DRIVER, undef)
     lib.mask16.argtypes = [ctypes.c_void_p]
     lib.mask16.restype = ctypes.c_uint32
     lib.mask16_16.argtypes = [ctypes.c_void_p]

@@ -4,17 +4,13 @@ and as interp, which ignores the hint. The prelude's streaming copy is built onc
 (AVX-512, AVX2, SSE2, plain C: each forced by undefining the target macros of the paths above it) and checked for
 every alignment of the ends."""
 import ctypes
-import os
-import subprocess
 
 import pytest
 import torch
+from prelude_driver import build, paths_below
 
 import tegula
 import tegula.language as T
-
-PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen", "prelude")
-CC = os.environ.get("TEGULA_CC", "cc")
 
 
 def row_copy(w, dtype, policy="evict_first"):
@@ -71,31 +67,15 @@ def test_bad_policy_is_a_compile_error():
         row_copy(64, "int64", "evict_soon")
 
 
-def _paths():
-    out = subprocess.run([CC, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
-    have = {m for m in ("__AVX512F__", "__AVX2__", "__SSE2__") if f"#define {m} " in out}
-    order = ["__AVX512F__", "__AVX2__", "__SSE2__"]
-    paths = [("native", [])]
-    for i, m in enumerate(order):
-        if m in have:
-            paths.append((f"below {m}", order[:i + 1]))
-    return paths
-
-
 DRIVER = r"""
 #include "tegula_stream.h"
 void copy_then_fence(void *d, const void *s, size_t n) { tg_stream_copy(d, s, n); tg_store_fence(); }
 """
 
 
-@pytest.mark.parametrize("name,undef", _paths())
+@pytest.mark.parametrize("name,undef", paths_below(["__AVX512F__", "__AVX2__", "__SSE2__"]))
 def test_prelude_stream_copy_every_path(tmp_path, name, undef):
-    src = tmp_path / "drv.c"
-    src.write_text(DRIVER)
-    so = tmp_path / "drv.so"
-    subprocess.run([CC, "-O2", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-Werror",
-                    *[f"-U{m}" for m in undef], "-I", PRELUDE, str(src), "-o", str(so)], check=True)
-    fn = ctypes.CDLL(str(so)).copy_then_fence
+    fn = build(tmp_path, DRIVER, undef).copy_then_fence
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     src_buf = torch.randint(0, 256, (4096,), dtype=torch.uint8)
     for n in (0, 1, 63, 255, 256, 257, 1000, 3000):

@@ -4,29 +4,16 @@ bit on every ISA path (vcvtne2ps2bf16 flushes subnormals and keeps NaN payloads:
 rounding). The prelude function is built once per path the host can run, each forced by undefining the target
 macros of the paths above it, and checked on special values and every alignment of the ends."""
 import ctypes
-import os
-import subprocess
 
 import numpy as np
 import pytest
 import torch
+from prelude_driver import build, paths_below
 
 import tegula
 import tegula.language as T
 
-PRELUDE = os.path.join(os.path.dirname(__file__), "..", "..", "tegula", "codegen", "prelude")
-CC = os.environ.get("TEGULA_CC", "cc")
 ORDER = ["__AVX512BF16__", "__AVX512F__", "__AVX2__", "__SSE2__"]
-
-
-def _paths():
-    out = subprocess.run([CC, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
-    have = {m for m in ORDER if f"#define {m} " in out}
-    paths = [("native", [])]
-    for i, m in enumerate(ORDER):
-        if m in have:
-            paths.append((f"below {m}", ORDER[:i + 1]))
-    return paths
 
 
 DRIVER = r"""
@@ -52,14 +39,9 @@ def _special_bits(n, seed=0):
     return u
 
 
-@pytest.mark.parametrize("name,undef", _paths())
+@pytest.mark.parametrize("name,undef", paths_below(ORDER))
 def test_prelude_cvt_every_path(tmp_path, name, undef):
-    src = tmp_path / "drv.c"
-    src.write_text(DRIVER)
-    so = tmp_path / "drv.so"
-    subprocess.run([CC, "-O2", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-Werror",
-                    *[f"-U{m}" for m in undef], "-I", PRELUDE, str(src), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build(tmp_path, DRIVER, undef)
     for fn in (lib.cvt_then_fence, lib.cvt_scalar):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     bits = _special_bits(1 << 16)
