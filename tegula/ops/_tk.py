@@ -47,6 +47,9 @@ def kernel(factory, *args):
     return k
 
 
+STREAM_MIN = 1 << 23  # norm / rope: outputs of at least this many values are written with streaming stores
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -33,7 +33,7 @@ from tegula.ops._tk import ceil_div
 __all__ = ["rmsnorm", "rmsnorm_forward_and_per_token_cast"]
 
 LANES = 32
-STREAM_MIN = 1 << 23  # outputs of at least this many values are written with streaming stores
+STREAM_MIN = _tk.STREAM_MIN  # outputs of at least this many values are written with streaming stores
 _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 

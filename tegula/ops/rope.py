@@ -27,7 +27,7 @@ from tegula.ops import _tk
 __all__ = ["apply_rotary"]
 
 _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-STREAM_MIN = 1 << 23  # calls rotating at least this many values write them back with streaming stores
+STREAM_MIN = _tk.STREAM_MIN  # calls rotating at least this many values write them back with streaming stores
 
 
 def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16, HB=4):
