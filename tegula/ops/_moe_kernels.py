@@ -249,26 +249,37 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
 
 # token <-> per-expert contiguous layout ------------------------------------------------------------------------
 
-def expert_histogram(E, CH=4096):
+def _grid(n, serial):
+    """(grid, blocks per grid block) of a kernel over n blocks: n x 1, or with ``serial`` 1 x n (one block walks
+    them all in turn: no OpenMP region, whose wake-up of sleeping threads costs tens to hundreds of microseconds
+    on small inputs). The block's number is then grid index + walk index."""
+    return (1, n) if serial else (n, 1)
+
+
+def expert_histogram(E, CH=4096, serial=False):
     """Counts of each expert among CH consecutive entries of the flat top-k index: Hst (num_chunks, E); Bad[c]:
-    chunk c's entries outside [-1, E) (not counted: the caller refuses the index)."""
+    chunk c's entries outside [-1, E) (not counted: the caller refuses the index). ``serial``: see _grid."""
     NE_, NC = T.dynamic("num_entries"), T.dynamic("num_chunks")
+    grid, walk = _grid(NC, serial)
 
     @T.prim_func
     def expert_histogram(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32"),
                          Bad: T.Tensor((NC,), "int32")):
-        with T.Kernel(NC) as b:
+        with T.Kernel(grid) as b0:
             cnt = T.alloc_fragment((E,), "int32")
             bad = T.alloc_var("int32", 0)
-            T.fill(cnt, 0)
-            for i in T.serial(T.min(CH, NE_ - b * CH)):
-                e = Idx[b * CH + i]
-                if (e >= 0) & (e < E):
-                    cnt[T.cast(e, "int32")] = cnt[T.cast(e, "int32")] + 1
-                elif e != -1:
-                    bad = bad + 1
-            T.copy(cnt, Hst[b, 0])
-            Bad[b] = bad
+            for w in T.serial(walk):
+                b = b0 + w
+                bad = 0
+                T.fill(cnt, 0)
+                for i in T.serial(T.min(CH, NE_ - b * CH)):
+                    e = Idx[b * CH + i]
+                    if (e >= 0) & (e < E):
+                        cnt[T.cast(e, "int32")] = cnt[T.cast(e, "int32")] + 1
+                    elif e != -1:
+                        bad = bad + 1
+                T.copy(cnt, Hst[b, 0])
+                Bad[b] = bad
     return expert_histogram
 
 
@@ -303,57 +314,66 @@ def expert_layout(E):
     return expert_layout
 
 
-def fill_i32(BLK=4096):
+def fill_i32(BLK=4096, serial=False):
     N = T.dynamic("n")
+    grid, walk = _grid(T.ceildiv(N, BLK), serial)
 
     @T.prim_func
     def fill_i32(A: T.Tensor((N,), "int32"), v: T.int32):
-        with T.Kernel(T.ceildiv(N, BLK)) as b:
-            for i in T.Parallel(BLK):
-                if b * BLK + i < N:
-                    A[b * BLK + i] = v
+        with T.Kernel(grid) as b0:
+            for w in T.serial(walk):
+                for i in T.Parallel(BLK):
+                    if (b0 + w) * BLK + i < N:
+                        A[(b0 + w) * BLK + i] = v
     return fill_i32
 
 
-def expert_scatter(E, CH=4096):
+def expert_scatter(E, CH=4096, serial=False):
     """Each entry's position p: its chunk's running position for its expert (entries in order); TTP[n] = p and
     P2TT[p] = n (the one store to a scattered place per entry: positions_of derives the other two arrays from P2TT
-    in order)."""
+    in order). ``serial``: see _grid."""
     NE_, NC, NP = T.dynamic("num_entries"), T.dynamic("num_chunks"), T.dynamic("num_positions")
+    grid, walk = _grid(NC, serial)
 
     @T.prim_func
     def expert_scatter(Idx: T.Tensor((NE_,), "int64"), Hst: T.Tensor((NC, E), "int32"), TTP: T.Tensor((NE_,), "int32"),
                        P2TT: T.Tensor((NP,), "int32")):
-        with T.Kernel(NC) as b:
+        with T.Kernel(grid) as b0:
             run = T.alloc_fragment((E,), "int32")
-            T.copy(Hst[b, 0], run)
-            for i in T.serial(T.min(CH, NE_ - b * CH)):
-                n = b * CH + i
-                e = T.cast(Idx[n], "int32")
-                if e >= 0:
-                    p = run[e]
-                    run[e] = p + 1
-                    TTP[n] = p
-                    P2TT[p] = n
-                else:
-                    TTP[n] = -1
+            for w in T.serial(walk):
+                b = b0 + w
+                T.copy(Hst[b, 0], run)
+                for i in T.serial(T.min(CH, NE_ - b * CH)):
+                    n = b * CH + i
+                    e = T.cast(Idx[n], "int32")
+                    if e >= 0:
+                        p = run[e]
+                        run[e] = p + 1
+                        TTP[n] = p
+                        P2TT[p] = n
+                    else:
+                        TTP[n] = -1
     return expert_scatter
 
 
-def positions_of(K, BLK=4096):
+def positions_of(K, BLK=4096, serial=False):
     """From P2TT (each position's entry t * K + k, or -1): P2T[p] = its token, P2E[p] = its expert Idx[entry], -1
-    where P2TT is; one pass in position order (the entries' experts gathered from Idx, which fits in cache)."""
+    where P2TT is; one pass in position order (the entries' experts gathered from Idx, which fits in cache).
+    ``serial``: see _grid."""
     NE_, NP = T.dynamic("num_entries"), T.dynamic("num_positions")
+    grid, walk = _grid(T.ceildiv(NP, BLK), serial)
 
     @T.prim_func
     def positions_of(Idx: T.Tensor((NE_,), "int64"), P2TT: T.Tensor((NP,), "int32"), P2E: T.Tensor((NP,), "int32"),
                      P2T: T.Tensor((NP,), "int32")):
-        with T.Kernel(T.ceildiv(NP, BLK)) as b:
-            for i in T.Parallel(BLK):
-                if b * BLK + i < NP:
-                    P2T[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0, P2TT[b * BLK + i] // K, -1)
-                    P2E[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0,
-                                                      T.cast(Idx[T.max(P2TT[b * BLK + i], 0)], "int32"), -1)
+        with T.Kernel(grid) as b0:
+            for w in T.serial(walk):
+                b = b0 + w
+                for i in T.Parallel(BLK):
+                    if b * BLK + i < NP:
+                        P2T[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0, P2TT[b * BLK + i] // K, -1)
+                        P2E[b * BLK + i] = T.if_then_else(P2TT[b * BLK + i] >= 0,
+                                                          T.cast(Idx[T.max(P2TT[b * BLK + i], 0)], "int32"), -1)
     return positions_of
 
 

@@ -42,6 +42,7 @@ __all__ = ["topk_gate", "top2_sum_gate", "normalize_weight", "get_fused_mapping"
 
 _SCORING = {"sigmoid": K.SIGMOID, "sqrtsoftplus": K.SQRTSOFTPLUS, "softmax": K.SOFTMAX}
 _CHUNK = 4096
+_MAPPING_SERIAL_MAX = 1 << 18   # see get_fused_mapping
 
 
 def topk_gate(scores, num_topk: int):
@@ -231,11 +232,12 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     if sized:
         ne = (n * kk + (a - 1) * e) // a * a
     chunks = max(1, ceil_div(flat.numel(), _CHUNK))
+    serial = flat.numel() <= _MAPPING_SERIAL_MAX
     hist = t.zeros((chunks, e), dtype=t.int32)
     start, end, count = (t.empty((e,), dtype=t.int32) for _ in range(3))
     if flat.numel():
         bad = t.empty((chunks,), dtype=t.int32)  # the range check, made by the histogram's pass over the entries
-        _tk.kernel(K.expert_histogram, e, _CHUNK)(flat, hist, bad)
+        _tk.kernel(K.expert_histogram, e, _CHUNK, serial)(flat, hist, bad)
         if bool(bad.any()):
             raise ValueError(f"topk_idx entries must lie in [-1, {e})")
     _tk.kernel(K.expert_layout, e)(hist, start, end, count, a)
@@ -246,11 +248,11 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     ttp = t.empty((n, kk), dtype=t.int32)
     # one scattered store per entry (its position's entry, P2TT), then the position-ordered arrays from it
     if ne:
-        _tk.kernel(K.fill_i32)(p2tt, -1)
+        _tk.kernel(K.fill_i32, 4096, serial)(p2tt, -1)
     if flat.numel():
-        _tk.kernel(K.expert_scatter, e, _CHUNK)(flat, hist, ttp.view(-1), p2tt)
+        _tk.kernel(K.expert_scatter, e, _CHUNK, serial)(flat, hist, ttp.view(-1), p2tt)
         if ne:
-            _tk.kernel(K.positions_of, kk)(flat, p2tt, p2e, p2t)
+            _tk.kernel(K.positions_of, kk, 4096, serial)(flat, p2tt, p2e, p2t)
     elif ne:
         _tk.kernel(K.fill_i32)(p2e, -1)
         _tk.kernel(K.fill_i32)(p2t, -1)

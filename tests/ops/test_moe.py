@@ -216,6 +216,20 @@ def test_get_fused_mapping(target, e, k, a):
         assert (r[0][used:] == -1).all() and (r[1][used:] == -1).all()
 
 
+@pytest.mark.parametrize("serial_max", [-1, 1 << 40])
+def test_get_fused_mapping_both_walks(target, monkeypatch, serial_max):
+    """Small inputs walk their chunks in one block (no OpenMP region), large ones take a grid: both give the
+    same layout over several chunks, and both find a bad entry in a later chunk."""
+    monkeypatch.setattr(moe, "_MAPPING_SERIAL_MAX", serial_max)
+    n = 3 * moe._CHUNK // 8 + 5 if target == "c" else 7
+    idx = random_topk_idx(n, 72, 8)
+    check_mapping(idx, 72, 64, moe.get_fused_mapping(idx, 72, 0, 64))
+    bad = idx.clone()
+    bad.view(-1)[-1] = 72
+    with pytest.raises(ValueError, match="topk_idx"):
+        moe.get_fused_mapping(bad, 72, 0, 64)
+
+
 @pytest.mark.parametrize("n", [0, 5])
 def test_get_fused_mapping_without_entries(target, n):
     """No token, or every entry -1: every position of a given size is padding (-1 in all three arrays)."""
