@@ -137,19 +137,25 @@ def _pointer_launcher(raw, argtypes, values, vary, name, direct=None):
     import ctypes
     if direct is not None:
         call, address = direct
-        env, parts = {"_call": call, "_raw": raw}, [str(address)]   # (_raw: the library stays loaded)
+        env, ints = {"_call": call, "_raw": raw}, [address]   # (_raw: the library stays loaded)
         for i, (t, v) in enumerate(zip(argtypes, values)):
             if i in vary:
-                parts.append(f"t{vary.index(i)}.data_ptr()")
+                ints.append(None)
             elif t is ctypes.c_void_p:
                 env[f"_k{i}"] = v   # the tensor must outlive the launcher
-                parts.append(str(_ptr(v)))
+                ints.append(_ptr(v))
             else:
-                parts.append(str(int(t(v).value)))   # the C type's value (an int narrowed as ctypes narrows it)
+                ints.append(int(t(v).value))   # the C type's value (an int narrowed as ctypes narrows it)
         params = ", ".join(f"t{j}" for j in range(len(vary)))
+        parts = [f"t{vary.index(i - 1)}.data_ptr()" if a is None else str(a) for i, a in enumerate(ints)]
         src = f"def launch({params}):\n    _call({', '.join(parts)})\n"
         exec(compile(src, name, "exec"), env)
-        return env["launch"]
+        launch = env["launch"]
+        # for a caller that generates its own call (while it holds ``launch``, which keeps the fixed tensors
+        # alive): ``call(*ints)`` runs the kernel, ints[0] being its address and ints[1 + p] the argument at
+        # position p, None where p is in ``vary`` (the caller puts that tensor's address there)
+        launch.direct = (call, tuple(ints))
+        return launch
     env, parts = {"_raw": raw, "_vp": ctypes.c_void_p}, []
     for i, (t, v) in enumerate(zip(argtypes, values)):
         if i in vary:

@@ -14,6 +14,7 @@ are copied once rather than refused. Results are deterministic: values rank by t
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -25,8 +26,11 @@ __all__ = ["topk", "get_stride_requirement"]
 MAX_TOPK = K.KMAX
 NAN_FLAG = K.NAN_FLAG
 SPLIT_MIN_SEGMENT = 1 << 17   # a row is split over cores only into segments of at least this many elements
-VALUES_BLOCK = 1 << 16        # values tensors of a call are cut from blocks of at most this many bytes,
-VALUES_POOL = 64              # at most this many a block (where at least 16 fit; else allocated one by one)
+OUTPUT_BLOCK = 1 << 16        # a call's values and indices are cut from blocks of at most this many bytes,
+OUTPUT_POOL = 64              # at most this many a block,
+OUTPUT_POOL_MIN = 8           # where at least this many fit (else allocated one by one)
+_IDX_FILL, _VALUE_FILL = 2147483647, float("-inf")   # the defaults: a call passing these very objects (as one
+# leaving them out does) with every other argument at its default takes the shortest path
 
 
 def get_stride_requirement() -> tuple[int, int]:
@@ -39,7 +43,7 @@ def get_stride_requirement() -> tuple[int, int]:
 
 def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_type=None,  # noqa: A002
          sorted_index: bool = False, hint=None, output_idx=None, output_idx_offset=None,
-         idx_oob_fill_value: int = 2147483647, value_oob_fill_value: float = float("-inf"),
+         idx_oob_fill_value: int = _IDX_FILL, value_oob_fill_value: float = _VALUE_FILL,
          return_value: bool = True, abort_when_nan_found: bool = True):
     """The ``topk`` largest values of each row of ``input`` and their column indices.
 
@@ -55,10 +59,23 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     indices[row, 0] to 0x3F3F3F3F (the rest of such a row is unspecified); shorter rows are not checked.
     return_value=False skips the values: the result is (None, indices).
     Runs on the target TEGULA_TARGET names, else the best available (c where a C compiler is found).
-    Returns (values or None, indices), both (batch, topk). Every call's values tensor is its own memory, but small
-    ones (up to 4 KiB) are cut from shared blocks of up to 64 KiB, so one kept alive keeps its block alive (and
-    ``torch.save`` of it writes the block; ``.clone()`` it to keep it alone).
+    Returns (values or None, indices), both (batch, topk). Every call's values and indices are their own memory,
+    but small ones (up to 8 KiB) are cut from shared blocks of up to 64 KiB, so one kept alive keeps its block
+    alive (and ``torch.save`` of it writes the block; ``.clone()`` it to keep it alone).
     """
+    # the common call, topk(x, k[, output_idx=]): its plan's launch under a short key; the flags are compared by
+    # identity, so 1 for True, 512.0 for 512 or an equal fill value object take the full path below (which checks)
+    common = (end is None and output_idx_offset is None and sorted is False and sorted_index is False
+              and return_value is True and abort_when_nan_found is True and begin is None and hint is None
+              and indices_type is None and idx_oob_fill_value is _IDX_FILL and value_oob_fill_value is _VALUE_FILL
+              and topk.__class__ is int)
+    if common:
+        try:
+            launch = _LOCAL.plans[(input.shape, input.dtype, topk, _ENV.get(_TARGET_VAR), _CACHE.get("threads"))]
+        except (AttributeError, KeyError, TypeError):   # not planned yet, or not a tensor (checked below)
+            pass
+        else:
+            return launch(input, output_idx)
     try:
         key = (input.shape, input.dtype, topk, sorted, sorted_index, return_value, abort_when_nan_found,
                indices_type, idx_oob_fill_value, value_oob_fill_value, end is None, output_idx is None,
@@ -74,6 +91,8 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
         plan = _new_plan(key, input, topk, sorted, begin, end, indices_type, sorted_index, hint, output_idx,
                          output_idx_offset, idx_oob_fill_value, value_oob_fill_value, return_value,
                          abort_when_nan_found)
+    if common and key is not None and plan.fast is not None:   # the short key's value is the plan's launch
+        _LOCAL.plans[key[:3] + (key[13], _CACHE.get("threads"))] = plan.fast
     return plan(input, end, output_idx, output_idx_offset)
 
 
@@ -141,18 +160,11 @@ class _Plan:
         self.batch, self.n = batch, n = input.shape
         self.shape = (batch, k)
         self.flags, self.words = _flags(torch)
-        self.status = self.words.view("int64")   # both words at once: nonzero when either is set
-        # what a call's outputs are allocated like: empty_like(a contiguous CPU tensor) takes ~0.2 us less than
-        # empty(batch, k, dtype=...) (its arguments parse faster)
-        self.empty_like = torch.empty_like
-        self.values_like = torch.empty(self.shape, dtype=input.dtype)
-        self.indices_like = torch.empty(self.shape, dtype=indices_type)
-        # small values tensors are cut VALUES_BLOCK at a time from one allocation (unsafe_split: disjoint,
-        # contiguous, not views): ~0.4 us each where empty_like takes ~0.9 us
-        nbytes = batch * k * input.element_size()
-        self.pool_n = min(VALUES_POOL, VALUES_BLOCK // nbytes) if nbytes else 0
-        self.pool = []
-        self.run = None
+        self.status = memoryview(self.words.view("int64"))   # both words at once (a Python int): nonzero when
+        # either is set
+        self.values = _Outputs(torch, self.shape, input.dtype)
+        self.indices = _Outputs(torch, self.shape, indices_type)
+        self.run = self.fast = None
         if batch == 0:
             return
         bits, inf_mag = spec
@@ -173,21 +185,68 @@ class _Plan:
                                                                 b2, idx_fill, fill, inf_mag), vary)
             names = ", ".join(a for a in pos if used[a])
             self.run = eval(f"lambda x, e, o, v, i: rows({names})", {"rows": rows})
-            return
-        seg = -(-n // nseg)
-        seg = -(-seg // K.CHUNK) * K.CHUNK
-        nseg = -(-n // seg)
-        wk = torch.empty((batch, nseg * k), dtype=torch.int32)
-        wi = torch.empty((batch, nseg * k), dtype=torch.int32)
-        wm = torch.empty((batch, nseg), dtype=torch.int32)
-        parts = K.bind(K.get("parts", tgt, bits), (x, end_t, wk, wi, wm, k, seg, b2), [0, 1] if has_end else [0])
-        pos = {"e": 3, "o": 4, "v": 5, "i": 6}
-        merge = K.bind(K.get("merge", tgt, bits, idx_name), (wk, wi, wm, end_t, off_t, vals, idx, self.flags, n,
-                                                              int(sorted), b2, idx_fill, fill, inf_mag),
-                       [pos[a] for a in pos if used[a]])
-        names = ", ".join(a for a in pos if used[a])
-        self.run = eval(f"lambda x, e, o, v, i: (parts(x{', e' if has_end else ''}), merge({names}))",
-                        {"parts": parts, "merge": merge})
+            direct = getattr(rows, "direct", None)
+        else:
+            seg = -(-n // nseg)
+            seg = -(-seg // K.CHUNK) * K.CHUNK
+            nseg = -(-n // seg)
+            wk = torch.empty((batch, nseg * k), dtype=torch.int32)
+            wi = torch.empty((batch, nseg * k), dtype=torch.int32)
+            wm = torch.empty((batch, nseg), dtype=torch.int32)
+            parts = K.bind(K.get("parts", tgt, bits), (x, end_t, wk, wi, wm, k, seg, b2),
+                           [0, 1] if has_end else [0])
+            pos = {"e": 3, "o": 4, "v": 5, "i": 6}
+            merge = K.bind(K.get("merge", tgt, bits, idx_name), (wk, wi, wm, end_t, off_t, vals, idx, self.flags,
+                                                                  n, int(sorted), b2, idx_fill, fill, inf_mag),
+                           [pos[a] for a in pos if used[a]])
+            names = ", ".join(a for a in pos if used[a])
+            self.run = eval(f"lambda x, e, o, v, i: (parts(x{', e' if has_end else ''}), merge({names}))",
+                            {"parts": parts, "merge": merge})
+            direct = None
+        if not (has_end or has_off) and return_value and indices_type is torch.int64:
+            self.fast = self._fast_launch(torch, rows if direct is not None else None)
+
+    def _fast_launch(self, torch, rows):
+        """``launch(input, output_idx)``: the plan's call for topk's common case (every other argument at its
+        default): the input checked as ``__call__`` checks it; an output_idx of the plan's dtype, shape, device and
+        layout written in place, any other left to ``__call__`` (its errors, or its copy through a contiguous
+        tensor); the kernel launched on the tensors' addresses (straight through the trampoline where ``rows``,
+        the bound kernel, has one)."""
+        env = {"plan": self, "run": self.run, "status": self.status, "words": self.words, "check": _check_status,
+               "Tensor": torch.Tensor, "index_type": self.indices_type, "shape": torch.Size(self.shape),
+               "vpop": self.values.pool.pop, "vnew": self.values.refill, "ipop": self.indices.pool.pop,
+               "inew": self.indices.refill}
+        if rows is not None:   # the varying arguments: x, v, i (positions 0, 3, 4)
+            call, ints = rows.direct
+            env["call"] = call
+            names = iter(("input.data_ptr()", "v.data_ptr()", "i.data_ptr()"))
+            launch = f"call({', '.join(next(names) if a is None else str(a) for a in ints)})"
+        else:
+            launch = "run(input, None, None, v, i)"
+        def take(t, indent):   # a tensor from the pool, else a new block's; where not pooled, a new one
+            if getattr(self, {"v": "values", "i": "indices"}[t]).count < OUTPUT_POOL_MIN:
+                return f"{t} = {t}new()"
+            return f"try:\n{indent}    {t} = {t}pop()\n{indent}except IndexError:\n{indent}    {t} = {t}new()"
+        src = f"""def launch(input, out):
+    if not input.is_cpu:
+        raise ValueError(f"topk: input is on {{input.device}}; tegula's topk runs on the CPU")
+    if out is None:
+        {take("i", " " * 8)}
+    elif (out.__class__ is Tensor and out.dtype is index_type and out.shape == shape and out.is_cpu
+          and out.is_contiguous()):
+        i = out
+    else:
+        return plan(input, None, out, None)
+    if not input.is_contiguous():
+        input = input.contiguous()
+    {take("v", " " * 4)}
+    {launch}
+    if status[0]:
+        check(words, i, None, {self.n}, True)
+    return v, i
+"""
+        exec(compile(src, f"<tegula topk launch {self.shape}>", "exec"), env)
+        return env["launch"]
 
     def __call__(self, input, end, output_idx, offset):
         torch = self.torch
@@ -199,7 +258,7 @@ class _Plan:
             offset = _row_vector(torch, offset, "output_idx_offset", self.batch)
         dest = None
         if output_idx is None:
-            indices = self.empty_like(self.indices_like)
+            indices = self.indices.take()
         else:
             if output_idx.__class__ is not torch.Tensor and not isinstance(output_idx, torch.Tensor):
                 raise TypeError(f"topk: output_idx must be a torch.Tensor, got {type(output_idx).__name__}")
@@ -212,17 +271,8 @@ class _Plan:
                 raise ValueError(f"topk: output_idx is on {output_idx.device}; it must be on the CPU")
             indices = output_idx
             if not output_idx.is_contiguous():
-                dest, indices = output_idx, self.empty_like(self.indices_like)
-        values = None
-        if self.return_value:
-            if self.pool:
-                values = self.pool.pop()
-            elif self.pool_n >= 16:
-                self.pool = list(self.torch.empty((self.pool_n * self.batch, self.shape[1]), dtype=self.dtype)
-                                 .unsafe_split(self.batch))
-                values = self.pool.pop()
-            else:
-                values = self.empty_like(self.values_like)
+                dest, indices = output_idx, self.indices.take()
+        values = self.values.take() if self.return_value else None
         if self.run is None:   # no rows
             return values, (output_idx if output_idx is not None else indices)
         if not input.is_contiguous():
@@ -234,6 +284,29 @@ class _Plan:
             dest.copy_(indices)
             indices = dest
         return values, indices
+
+
+class _Outputs:
+    """A call's new (batch, k) tensors of one dtype. Where at least OUTPUT_POOL_MIN fit in OUTPUT_BLOCK bytes they
+    are cut from one allocation of up to OUTPUT_POOL of them (unsafe_split_with_sizes: disjoint, contiguous, not
+    views; ~0.3 us each where empty_like takes ~0.9 us); ``pool`` holds the ones not handed out yet."""
+
+    def __init__(self, torch, shape, dtype):
+        self.like = torch.empty(shape, dtype=dtype)
+        nbytes = self.like.numel() * self.like.element_size()
+        self.count = min(OUTPUT_POOL, OUTPUT_BLOCK // nbytes) if nbytes else 0
+        self.block_shape, self.sizes = (self.count * shape[0], shape[1]), [shape[0]] * self.count
+        self.torch, self.dtype, self.pool = torch, dtype, []
+        if self.count < OUTPUT_POOL_MIN:
+            self.refill = functools.partial(torch.empty_like, self.like)
+
+    def refill(self):
+        """The first tensor of a new block, the rest kept in ``pool``."""
+        self.pool.extend(self.torch.empty(self.block_shape, dtype=self.dtype).unsafe_split_with_sizes(self.sizes))
+        return self.pool.pop()
+
+    def take(self):
+        return self.pool.pop() if self.pool else self.refill()
 
 
 def _check_status(status, indices, end, n, abort_when_nan_found):

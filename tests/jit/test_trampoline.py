@@ -62,6 +62,23 @@ def test_bound_launch_through_the_trampoline_matches_ctypes():
         assert torch.equal(y1, y2) and torch.equal(y1, want(x, i, *ARGS))
 
 
+def test_bound_launch_direct_ints_call_the_kernel():
+    """launch.direct: (call, ints), the address and every fixed argument as an int, None where a varying tensor's
+    address goes; a caller's own call through it equals the launch."""
+    k = tegula.compile(mixed_kernel(), target="c")
+    n = 40
+    x, i = torch.randint(-1000, 1000, (n,)), torch.randint(-5, 5, (n,), dtype=torch.int32)
+    y1, y2 = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    launch = k.bind(x, i, y1, *ARGS, vary=[2, 0])
+    call, ints = launch.direct
+    assert ints[0] == k.program.direct[1] and [j - 1 for j, a in enumerate(ints) if a is None] == [0, 2]
+    assert ints[2] == i.data_ptr() and ints[4:9] == (-7, -(2**40) + 5, 2**32 - 3, -2**31, 2**62) and ints[9] == n
+    x = torch.randint(-1000, 1000, (n,))
+    launch(y1, x)
+    call(*[{1: x.data_ptr(), 3: y2.data_ptr()}.get(j, a) for j, a in enumerate(ints)])
+    assert torch.equal(y1, y2) and torch.equal(y1, want(x, i, *ARGS))
+
+
 def test_float_scalars_launch_through_ctypes():
     n = T.dynamic("n")
 

@@ -371,8 +371,9 @@ def test_values_cut_from_blocks_are_disjoint_and_kept():
     assert len({v.data_ptr() for _, v in kept}) == len(kept)
     for r, v in kept:                        # later calls wrote none of the earlier results
         assert v.float()[0, 0] == 100.0 + r
-    big = topk(torch.randn(4, 3000).to(BF16), 600)[0]   # 4800 bytes: allocated on its own
+    big, big_i = topk(torch.randn(4, 3000).to(BF16), 1200)   # 9600 / 38400 bytes: allocated on their own
     assert big.untyped_storage().nbytes() == big.numel() * 2
+    assert big_i.untyped_storage().nbytes() == big_i.numel() * 8
 
 
 def test_plans_are_per_thread():
@@ -407,3 +408,74 @@ def test_calls_alternating_flags_keep_their_plans(monkeypatch):
         v, i = topk(x, 40, sorted=s)
         check(x, 40, v, i, by_value=s)
     assert not built
+
+
+# the common call's short path: topk(x, k) and topk(x, k, output_idx=...) with every other argument at its default
+
+def test_common_calls_take_the_plans_launch_and_still_check_each_call(monkeypatch):
+    x = torch.randn(2, 3000).to(BF16)
+    out = torch.empty(2, 40, dtype=torch.int64)
+    topk(x, 40)                                   # plans it (and keys its launch)
+    calls = []
+    real = topk_mod._Plan.__call__
+    monkeypatch.setattr(topk_mod._Plan, "__call__", lambda self, *a: calls.append(a) or real(self, *a))
+    for _ in range(3):                            # new values, same shapes: the launch alone, right results
+        x = torch.randn(2, 3000).to(BF16)
+        check(x, 40, *topk(x, 40))
+        v, i = topk(x, 40, sorted=False, output_idx=out)
+        assert i is out
+        check(x, 40, v, i)
+    assert not calls
+    wide = torch.randn(2, 6000).to(BF16)
+    check(wide[:, ::2].contiguous(), 40, *topk(wide[:, ::2], 40))   # a strided input is copied, not misread
+    strided_out = torch.zeros(2, 80, dtype=torch.int64)[:, ::2]
+    v, i = topk(x, 40, output_idx=strided_out)    # written through a contiguous tensor, by the plan's call
+    assert i is strided_out
+    check(x, 40, v, i)
+    assert len(calls) == 1
+    for bad, err, match in [(out.int(), TypeError, "output_idx has dtype"),
+                            (torch.empty(2, 41, dtype=torch.int64), ValueError, "output_idx must have shape"),
+                            (torch.empty(1, 80, dtype=torch.int64), ValueError, "output_idx must have shape"),
+                            (out.tolist(), TypeError, "output_idx must be a torch.Tensor"),
+                            (out.to("meta"), ValueError, "output_idx is on meta")]:
+        with pytest.raises(err, match=match):
+            topk(x, 40, output_idx=bad)
+    with pytest.raises(ValueError, match="input is on meta"):
+        topk(x.to("meta"), 40)
+    with pytest.raises(TypeError, match="topk must be an int"):
+        topk(x, 40.0)
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        topk(x.float().numpy(), 40)
+    x[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="input row 1 holds NaN"):
+        topk(x, 40)
+    with pytest.raises(ValueError, match="input row 1 holds NaN"):
+        topk(x, 40, output_idx=out)
+    x[1, 7] = 0.0
+    check(x, 40, *topk(x, 40))                    # the status words were cleared
+
+
+def test_common_calls_of_another_flag_value_object_are_checked_in_full():
+    x = torch.randn(2, 300).to(BF16)
+    topk(x, 40)
+    v, i = topk(x, 40, idx_oob_fill_value=int("2147483647"), value_oob_fill_value=float("-inf"),
+                end=torch.tensor([300, 20], dtype=torch.int32))
+    check(x, 40, v, i, end=torch.tensor([300, 20], dtype=torch.int32))
+    with pytest.raises(TypeError, match="sorted must be a bool"):
+        topk(x, 40, sorted=0)
+    with pytest.raises(TypeError, match="return_value must be a bool"):
+        topk(x, 40, return_value=1)
+
+
+def test_indices_cut_from_blocks_are_disjoint_and_kept():
+    x = torch.randn(1, 3000).to(BF16)
+    kept = []
+    for r in range(40):                           # past two blocks of 16 (1 x 512 int64 indices each)
+        x[0, r] = 100.0 + r                       # a new largest value each call, at column r
+        v, i = topk(x, 512)
+        check(x, 512, v, i)
+        assert i.is_contiguous() and not i._is_view() and r in i[0].tolist()
+        kept.append((r, v, i))
+    assert len({i.data_ptr() for _, _, i in kept}) == len({v.data_ptr() for _, v, _ in kept}) == len(kept)
+    for r, v, i in kept:                          # later calls wrote none of the earlier results
+        assert r in i[0].tolist() and float(v.float().max()) == 100.0 + r
