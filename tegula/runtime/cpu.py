@@ -221,7 +221,9 @@ def _trampoline_source() -> str:
             "    PyErr_SetString(PyExc_TypeError, \"call(address, *ints): too many arguments\"); return NULL; }\n"
             "  void *f = PyLong_AsVoidPtr(args[0]);\n"
             f"  I a[{TRAMPOLINE_MAX_ARGS}];\n"
-            "  for (Py_ssize_t i = 1; i < n; ++i) a[i - 1] = (I)PyLong_AsLongLong(args[i]);\n"
+            # PyLong_AsLong: long is int64 where the trampoline is built (LP64), and CPython converts two-digit
+            # ints (pointers) by a loop there where PyLong_AsLongLong goes through a byte array (~4 ns an argument)
+            "  for (Py_ssize_t i = 1; i < n; ++i) a[i - 1] = (I)PyLong_AsLong(args[i]);\n"
             "  if (PyErr_Occurred()) return NULL;\n"
             "  Py_BEGIN_ALLOW_THREADS\n"
             "  switch (n - 1) {\n" + "".join(cases) + "  }\n"
@@ -255,7 +257,7 @@ def _build_trampoline():
     if not config.get().trampoline:
         return None
     if platform.machine() not in ("x86_64", "AMD64") or os.name != "posix" or sys.platform == "darwin" or \
-            ctypes.sizeof(ctypes.c_void_p) != 8:
+            ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_long) != 8:
         return None
     include = sysconfig.get_paths().get("include")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
