@@ -12,9 +12,29 @@ from __future__ import annotations
 import tegula.language as T
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, scale_of, store_scales
-from tegula.ops._tk_math import exp_f32, fma_f32
+from tegula.ops._tk_math import _EXP_POLY, _L2L, _L2U, _R_LN2, _RINT_MAGIC, exp_f32, fma_f32
 
 LANES = 32
+MID = 87.0  # rows whose |left| values are all below this take exp_mid
+
+
+@T.macro
+def exp_mid(d):
+    """exp_f32(d) for |d| < MID, bit for bit (checked in C on every such float32): the power of two 2^q (|q| <= 126)
+    is one normal float, so u * 2^q needs one multiply (exp_f32's two, u * 2^h * 2^(q - h), give the same bits:
+    the first is exact, and where the result is subnormal both round the same product once), and the range
+    selects for d < -104 and d > 100 fall away."""
+    t = d * _R_LN2 + _RINT_MAGIC
+    qf = t - _RINT_MAGIC
+    s = fma_f32(qf, -_L2U, d)
+    s = fma_f32(qf, -_L2L, s)
+    u = fma_f32(T.cast(_EXP_POLY[0], "float32"), s, _EXP_POLY[1])
+    u = fma_f32(u, s, _EXP_POLY[2])
+    u = fma_f32(u, s, _EXP_POLY[3])
+    u = fma_f32(u, s, _EXP_POLY[4])
+    u = fma_f32(u, s, _EXP_POLY[5])
+    u = 1.0 + fma_f32(s * s, u, s)
+    return u * T.reinterpret((T.reinterpret(t, "int32") - (0x4B400000 - 127)) << 23, "float32")
 
 
 @T.macro
@@ -30,6 +50,21 @@ def lane_sum(p, acc, BM, H):
         for i, lane in T.Parallel(BM, 16):
             if lane < half:
                 acc[i, lane] = acc[i, lane] + acc[i, lane + half]
+
+
+@T.macro
+def swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
+    """yv = silu(left) * right (* wr), 0 in rows not ok; mid: every |left| < MID (exp_mid)."""
+    for i, j in T.Parallel(BM, H):
+        lv = xl[i, j]
+        rv = xr[i, j]
+        if use_clamp:
+            lv = T.if_then_else(lv > clamp, clamp, lv)
+            rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
+        v = lv / (1.0 + (exp_mid(-lv) if mid else exp_f32(-lv))) * rv
+        if with_weight:
+            v = v * wr[i]
+        yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
 
 
 def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1, RB=32):
@@ -79,16 +114,20 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                         T.atomic_add(CNT[k], T.cast(total[k], "int64"))
                 y = T.alloc_fragment((BM, GB, G), "float32")
                 yv = T.reshape(y, (BM, H))
-                for i, j in T.Parallel(BM, H):
-                    lv = xl[i, j]
-                    rv = xr[i, j]
-                    if use_clamp:
-                        lv = T.if_then_else(lv > clamp, clamp, lv)
-                        rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
-                    v = lv / (1.0 + exp_f32(-lv)) * rv
-                    if with_weight:
-                        v = v * wr[i]
-                    yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
+                # the rows' largest |left| (clamped; NaN skipped: exp_mid and exp_f32 agree on NaN, inf is not < MID)
+                big = T.alloc_fragment((BM, LANES), "float32")
+                top = T.alloc_fragment((1,), "float32")
+                xlv = T.reshape(xl, (BM, H // LANES, LANES))
+                T.fill(big, 0.0)
+                for c in T.serial(H // LANES):
+                    for i, lane in T.Parallel(BM, LANES):
+                        a = T.abs(T.min(xlv[i, c, lane], clamp) if use_clamp else xlv[i, c, lane])
+                        big[i, lane] = T.if_then_else(a > big[i, lane], a, big[i, lane])
+                T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
+                if top[0] < MID:
+                    swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, True)
+                else:
+                    swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False)
                 amax = T.alloc_fragment((BM, GB), "float32")
                 inv = T.alloc_fragment((BM, GB), "float32")
                 word = T.alloc_fragment((BM, GB), "int32")

@@ -340,6 +340,61 @@ def test_swiglu_forward_and_per_token_cast(target, case):
         assert_equal(counts, counts_ref)
 
 
+@pytest.mark.parametrize("clamp", [None, 50.0])
+def test_swiglu_forward_large_left_values(target, clamp):
+    """Rows whose |left| (clamped) reaches _swiglu.MID take exp_f32, the others exp_mid. left -88.5 has exp(88.5)
+    finite where exp_mid's power of two overflows (silu -3.3e-37, made visible by right = 1e37, unclamped): the
+    output differs if such a row takes exp_mid. Rows with +inf and NaN on the left (not -inf: silu(-inf) = -inf / inf
+    is the default NaN here, sign bit set, 0xff after the cast, where torch's is 0x7f; as before exp_mid)."""
+    n, h = (7 if target == "c" else 5), 256
+    x = randn(n, 2 * h, scale=2.0)
+    x[0, 3], x[0, h + 3] = -88.5, 1e37
+    x[1, 5], x[1, h + 5] = -88.5, 1e37
+    x[1, 7] = 87.0  # a row at the bound
+    x[2, 9] = float("inf")
+    x[3, :h] = float("nan")  # a NaN row (a NaN among finite values: torch's amax is NaN, the kernels' skips it)
+    x[4, 0:4] = torch.tensor([-104.5, 100.5, -87.0, 86.9])
+    q, s = quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128, swiglu_clamp_value=clamp)
+    y = swiglu_ref(x, clamp=clamp)
+    if clamp is None:
+        assert -10.0 < y[0, 3] < -1.0
+    rq, rs = ref_cast(y, "e4m3", (1, 128))
+    keep = torch.arange(n) != 3  # the NaN row's amax: the kernels' max skips NaN (the clamp's scale), torch's is NaN
+    assert_equal(s[keep], rs[keep])
+    assert_equal(q, rq)
+
+
+def test_swiglu_exp_mid(target):
+    """exp_mid equals exp_f32 on every bfloat16 value of magnitude below MID and on random float32 ones there (C
+    checked all float32 there), and differs from it just past: at 88.5 (2^128) and -88 (2^-127), where the rows
+    must take exp_f32."""
+    import tegula.language as T
+    from tegula.ops import _swiglu, _tk
+    from tegula.ops._tk_math import exp_f32
+    b = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = torch.cat([b[b.abs() < _swiglu.MID], (torch.rand(1 << 14) * 2 - 1) * 86.99])
+    if target == "interp":
+        x = x[torch.randperm(x.numel())[:2048]]
+    x = torch.cat([x, torch.tensor([88.5, -88.0])])
+
+    def kernel():
+        N = T.dynamic("n")
+
+        @T.prim_func
+        def exps(X: T.Tensor((N,), "float32"), Y: T.Tensor((N, 2), "float32")):
+            with T.Kernel(T.ceildiv(N, 256)) as b:
+                for i in T.Parallel(256):
+                    if b * 256 + i < N:
+                        Y[b * 256 + i, 0] = _swiglu.exp_mid(X[b * 256 + i])
+                        Y[b * 256 + i, 1] = exp_f32(X[b * 256 + i])
+        return exps
+
+    y = torch.empty(x.numel(), 2)
+    _tk.kernel(kernel)(x, y)
+    assert_equal(y[:-2, 0], y[:-2, 1])
+    assert (y[-2:, 0] != y[-2:, 1]).all()
+
+
 @pytest.mark.parametrize("g,round_sf,clamp", [(128, False, 0.5), (32, True, None)])
 def test_swiglu_backward_and_per_token_cast(target, g, round_sf, clamp):
     n, h, tokens, k = rows(target, 400), 1024, rows(target, 400) // 2, 3
