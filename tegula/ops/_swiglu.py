@@ -53,11 +53,25 @@ def lane_sum(p, acc, BM, H):
 
 
 @T.macro
-def swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
-    """yv = silu(left) * right (* wr), 0 in rows not ok; mid: every |left| < MID (exp_mid)."""
+def left_top(X, r0, big, top, clamp, BM, H, use_clamp):
+    """top[0] = the rows' largest |left| (clamped; NaN skipped: exp_mid and exp_f32 agree on NaN, inf is not < MID),
+    read from X in place."""
+    T.fill(big, 0.0)
+    for c in T.serial(H // LANES):
+        for i, lane in T.Parallel(BM, LANES):
+            lx = T.cast(X[r0 + i, c * LANES + lane], "float32")
+            a = T.abs(T.min(lx, clamp) if use_clamp else lx)
+            big[i, lane] = T.if_then_else(a > big[i, lane], a, big[i, lane])
+    T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
+
+
+@T.macro
+def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
+    """yv = silu(left) * right (* wr) of rows r0.., read from X in place, 0 in rows not ok; mid: every |left| <
+    MID (exp_mid)."""
     for i, j in T.Parallel(BM, H):
-        lv = xl[i, j]
-        rv = xr[i, j]
+        lv = T.cast(X[r0 + i, j], "float32")
+        rv = T.cast(X[r0 + i, H + j], "float32")
         if use_clamp:
             lv = T.if_then_else(lv > clamp, clamp, lv)
             rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
@@ -65,6 +79,15 @@ def swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
         if with_weight:
             v = v * wr[i]
         yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
+
+
+@T.macro
+def swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp):
+    left_top(X, r0, big, top, clamp, BM, H, use_clamp)
+    if top[0] < MID:
+        swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, True)
+    else:
+        swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False)
 
 
 def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1, RB=32):
@@ -83,8 +106,8 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
         with T.Kernel(T.ceildiv(NT, BM * RB)) as by:
             rnd = (flags & ROUND_SF) != 0
             packed = (flags & PACKED_SF) != 0
-            # RB row groups a block, pipelined: the next group's rows are prefetched while this one is computed
-            for it in T.Pipelined(RB, num_stages=2):
+            # RB row groups a block; X is read in place (no staged copy: the hardware prefetcher follows the rows)
+            for it in T.serial(RB):
                 r0 = (by * RB + it) * BM
                 ok = T.alloc_fragment((BM,), "int32")
                 wr = T.alloc_fragment((BM,), "float32")
@@ -96,16 +119,14 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                     if with_weight:
                         p = P2T[r]
                         wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
-                xl = T.alloc_fragment((BM, H), "float32")
-                xr = T.alloc_fragment((BM, H), "float32")
-                T.copy(X[r0, 0], xl)
-                T.copy(X[r0, H], xr)
                 if use_clamp and count_clamp:
                     flg = T.alloc_fragment((BM, 3, H), "int32")
                     for i, j in T.Parallel(BM, H):
-                        flg[i, 0, j] = T.cast(xl[i, j] > clamp, "int32") * ok[i]
-                        flg[i, 1, j] = T.cast(xr[i, j] > clamp, "int32") * ok[i]
-                        flg[i, 2, j] = T.cast(xr[i, j] < -clamp, "int32") * ok[i]
+                        lx = T.cast(X[r0 + i, j], "float32")
+                        rx = T.cast(X[r0 + i, H + j], "float32")
+                        flg[i, 0, j] = T.cast(lx > clamp, "int32") * ok[i]
+                        flg[i, 1, j] = T.cast(rx > clamp, "int32") * ok[i]
+                        flg[i, 2, j] = T.cast(rx < -clamp, "int32") * ok[i]
                     per_row = T.alloc_fragment((BM, 3), "int32")
                     total = T.alloc_fragment((3,), "int32")
                     T.reduce_sum(flg, per_row, dim=2)
@@ -114,20 +135,12 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                         T.atomic_add(CNT[k], T.cast(total[k], "int64"))
                 y = T.alloc_fragment((BM, GB, G), "float32")
                 yv = T.reshape(y, (BM, H))
-                # the rows' largest |left| (clamped; NaN skipped: exp_mid and exp_f32 agree on NaN, inf is not < MID)
                 big = T.alloc_fragment((BM, LANES), "float32")
                 top = T.alloc_fragment((1,), "float32")
-                xlv = T.reshape(xl, (BM, H // LANES, LANES))
-                T.fill(big, 0.0)
-                for c in T.serial(H // LANES):
-                    for i, lane in T.Parallel(BM, LANES):
-                        a = T.abs(T.min(xlv[i, c, lane], clamp) if use_clamp else xlv[i, c, lane])
-                        big[i, lane] = T.if_then_else(a > big[i, lane], a, big[i, lane])
-                T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
-                if top[0] < MID:
-                    swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, True)
+                if r0 + (BM - 1) < NT:  # whole rows: X read without bounds checks
+                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp)
                 else:
-                    swiglu_rows(xl, xr, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False)
+                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp)
                 amax = T.alloc_fragment((BM, GB), "float32")
                 inv = T.alloc_fragment((BM, GB), "float32")
                 word = T.alloc_fragment((BM, GB), "int32")
