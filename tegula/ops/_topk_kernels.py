@@ -11,10 +11,10 @@ for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appe
 index order, to the candidate buffer. When the buffer holds k + b2 entries a select finds the k-th largest key
 (a search over the candidates' own key range, each step one vectorised count of the candidates above a key),
 keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
-up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys; short 16-bit rows with
-k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k in one more
-pass (short_row; by compressing stores of 16-bit keys and positions). Candidates stay in index order, so
-indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
+up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys (in short runs); short
+16-bit rows with k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k
+in one more pass (short_row; by compressing stores of 16-bit keys and positions). Candidates stay in index
+order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
@@ -38,6 +38,9 @@ SAMPLE = CHUNK            # keys sampled for a first threshold
 SAMPLE_MU = 4.0          # 16-bit rows longer than SAMPLE * k / SAMPLE_MU sample up to SAMPLE_MAX * SAMPLE keys,
 SAMPLE_MAX = 4            # in runs of SAMPLE_RUN adjacent keys (one 64-byte line each): a sampled threshold
 SAMPLE_RUN = 32           # where one SAMPLE would hold < 1 of the top k (b1 1M k512), a tighter one where < 4
+SAMPLE_VEC = 8            # a single SAMPLE (and short_row's) is read in runs of this many adjacent keys (16 bytes
+                          # of a 16-bit row): a vector copy; single keys at a stride were one scalar load each
+                          # (b1 8K k512 kernel -8%, k2048 -4%)
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
 CAP = KMAX + B2MAX + CHUNK
 PAD = CHUNK + 256         # ck, ci are CAP + PAD long: room for a last whole chunk, and 1 KiB apart modulo
@@ -379,10 +382,11 @@ def _macros(bits):
 
     @T.macro
     def sample(b, src, row, start, stride):
-        """The SAMPLE keys src[row, start + i * stride] as the candidates (indices i), their range in st[2:4]."""
-        for i in T.Parallel(SAMPLE):
-            b.ck[i] = key_of(src[row, start + i * stride])
-            b.ci[i] = i
+        """SAMPLE keys as the candidates (indices i), their range in st[2:4]: runs of SAMPLE_VEC adjacent keys,
+        src[row, start + g * stride * SAMPLE_VEC + j] (j < SAMPLE_VEC), a vector copy each."""
+        for g, j in T.Parallel(SAMPLE // SAMPLE_VEC, SAMPLE_VEC):
+            b.ck[g * SAMPLE_VEC + j] = key_of(src[row, start + g * (stride * SAMPLE_VEC) + j])
+            b.ci[g * SAMPLE_VEC + j] = g * SAMPLE_VEC + j
         # the range from per-lane maxima / minima (reductions fused into the strided reads ran one key at a time)
         for lane in T.Parallel(LANES):
             top = b.ck[lane]
@@ -424,10 +428,10 @@ def _macros(bits):
     def top_range(b, lo, hi, src, row, k, b2):
         """The top k of src[row, lo:hi] into the candidates (st[0] = min(k, hi - lo)), in index order.
 
-        The threshold starts at the r-th largest of S evenly spaced keys, r = mu + 3 sqrt(mu) + 2 with
+        The threshold starts at the r-th largest of S evenly spaced keys (short runs), r = mu + 3 sqrt(mu) + 2 with
         mu = S * k / (hi - lo) the expected count of the true top k in the sample: about 1.3 k keys pass instead
-        of the k (1 + ln(n / k)) of a rising threshold. S = SAMPLE single keys, or for long 16-bit ranges
-        (mu < SAMPLE_MU with SAMPLE keys) up to SAMPLE_MAX * SAMPLE keys in runs (sample_runs); a range whose
+        of the k (1 + ln(n / k)) of a rising threshold. S = SAMPLE keys (in runs of SAMPLE_VEC), or for long 16-bit
+        ranges (mu < SAMPLE_MU with SAMPLE keys) up to SAMPLE_MAX * SAMPLE keys in runs (sample_runs); a range whose
         sample still has mu < 1 keeps the rising threshold.
         If fewer than k pass after all (rare), the range is scanned again from scratch."""
         length = hi - lo
@@ -557,8 +561,8 @@ def _macros(bits):
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
         # the sample's two ranks around the k-th key, each searched for by counts over the 16-bit sample
-        for i in T.Parallel(SAMPLE):
-            b.smp[i] = b.rk[i * stride]
+        for g, j in T.Parallel(SAMPLE // SAMPLE_VEC, SAMPLE_VEC):
+            b.smp[g * SAMPLE_VEC + j] = b.rk[g * (stride * SAMPLE_VEC) + j]
         # its range from per-lane maxima / minima in 16-bit lanes (a reduction fused into the strided copy ran
         # one element at a time)
         for lane in T.Parallel(LANES):
