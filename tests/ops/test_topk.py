@@ -479,3 +479,25 @@ def test_indices_cut_from_blocks_are_disjoint_and_kept():
     assert len({i.data_ptr() for _, _, i in kept}) == len({v.data_ptr() for _, v, _ in kept}) == len(kept)
     for r, v, i in kept:                          # later calls wrote none of the earlier results
         assert r in i[0].tolist() and float(v.float().max()) == 100.0 + r
+
+
+@pytest.mark.parametrize("where", ["interp", "split"])
+def test_common_calls_launch_without_the_trampoline(monkeypatch, where):
+    """The common call's launch on plans whose kernels have no direct call: interp, and rows split over cores
+    (segments, then a merge)."""
+    if where == "interp":
+        monkeypatch.setenv("TEGULA_TARGET", "interp")
+        x, k = torch.randn(2, 900).to(BF16), 9
+    else:
+        monkeypatch.setitem(topk_mod._CACHE, "threads", 8)
+        x, k = torch.randn(1, 300000).to(BF16), 300
+        assert topk_mod._segments(1, 300000) > 1
+    out = torch.empty(1 if where == "split" else 2, k, dtype=torch.int64)
+    for _ in range(3):
+        x.normal_()
+        check(x, k, *topk(x, k))
+        v, i = topk(x, k, output_idx=out)
+        assert i is out
+        check(x, k, v, i)
+    assert topk_mod._LOCAL.plans[(x.shape, x.dtype, k, topk_mod._ENV.get(topk_mod._TARGET_VAR),
+                                  topk_mod._CACHE.get("threads"))].__code__.co_name == "launch"
