@@ -6,8 +6,8 @@ buf[n] = v; n = n + 1`` (min / max updates allowed) runs in groups of 16 with co
 buffers hold 16-bit integers). Both are plain T.* code whose meaning interp defines; the c results must equal
 interp's on edge cases (no survivors, all, extents that are not a multiple of the group), and loops that do not
 have the form are emitted as written. The prelude routines are built once per ISA path the host can run
-(AVX-512, AVX-512 without VBMI2, AVX2 + BMI2, plain C: each forced by undefining the macros of the paths above
-it).
+(AVX-512, AVX-512 without VBMI2, AVX-512 VBMI2 without BMI2, AVX2 + BMI2, plain C: each forced by undefining the
+macros of the paths above it).
 """
 import ctypes
 
@@ -263,6 +263,8 @@ def _paths():
     paths = [("native", [])]
     if "__AVX512VBMI2__" in have:
         paths.append(("AVX-512 without VBMI2", ["__AVX512VBMI2__"]))
+    if {"__AVX512VBMI2__", "__BMI2__"} <= have:   # tg_compress32_16's store mask without bzhi
+        paths.append(("AVX-512 VBMI2 without BMI2", ["__BMI2__"]))
     if "__AVX512F__" in have and {"__AVX2__", "__BMI2__"} <= have:
         paths.append(("AVX2 + BMI2", ["__AVX512F__"]))
     paths.append(("plain C", ["__AVX512F__", "__AVX2__"]))
