@@ -16,6 +16,7 @@ from tegula.ops._tk_math import _EXP_POLY, _L2L, _L2U, _R_LN2, _RINT_MAGIC, exp_
 
 LANES = 32
 MID = 87.0  # rows whose |left| values are all below this take exp_mid
+MID_BF16 = 0x42AE  # 87.0's bfloat16 bits
 
 
 @T.macro
@@ -56,13 +57,24 @@ def lane_sum(p, acc, BM, H):
 def left_top(X, r0, big, top, clamp, BM, H, use_clamp):
     """top[0] = the rows' largest |left| (clamped; NaN skipped: exp_mid and exp_f32 agree on NaN, inf is not < MID),
     read from X in place."""
-    T.fill(big, 0.0)
-    for c in T.serial(H // LANES):
-        for i, lane in T.Parallel(BM, LANES):
-            lx = T.cast(X[r0 + i, c * LANES + lane], "float32")
-            a = T.abs(T.min(lx, clamp) if use_clamp else lx)
-            big[i, lane] = T.if_then_else(a > big[i, lane], a, big[i, lane])
-    T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
+    if X.dtype == "bfloat16" and not use_clamp:  # |left|'s bits in 16-bit lanes (NaN's are above MID's: exp_f32)
+        b16 = T.alloc_fragment((BM, 2 * LANES), "uint16")
+        t16 = T.alloc_fragment((1,), "uint16")
+        T.fill(b16, 0)
+        for c in T.serial(H // (2 * LANES)):
+            for i, lane in T.Parallel(BM, 2 * LANES):
+                a16 = T.reinterpret(X[r0 + i, c * 2 * LANES + lane], "uint16") & 0x7FFF
+                b16[i, lane] = T.max(b16[i, lane], a16)
+        T.reduce_max(T.reshape(b16, (1, BM * 2 * LANES)), t16, dim=1)
+        top[0] = T.if_then_else(t16[0] < MID_BF16, 0.0, MID)
+    else:
+        T.fill(big, 0.0)
+        for c in T.serial(H // LANES):
+            for i, lane in T.Parallel(BM, LANES):
+                lx = T.cast(X[r0 + i, c * LANES + lane], "float32")
+                a = T.abs(T.min(lx, clamp) if use_clamp else lx)
+                big[i, lane] = T.if_then_else(a > big[i, lane], a, big[i, lane])
+        T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
 
 
 @T.macro
