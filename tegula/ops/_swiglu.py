@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tegula.language as T
 from tegula.ops import _tk
-from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, scale_of, store_scales
+from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, e4m3_in_range, scale_of, store_scales
 from tegula.ops._tk_math import _EXP_POLY, _L2L, _L2U, _R_LN2, _RINT_MAGIC, exp_f32, fma_f32
 
 LANES = 32
@@ -164,7 +164,13 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                     inv[i, g] = v_
                     eb[i, g] = e_
                 store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
-                if r0 + (BM - 1) < NT:  # whole rows: scale, narrow and store into Q in one pass
+                ytop = T.alloc_fragment((1,), "float32")
+                T.reduce_max(T.reshape(amax, (1, BM * GB)), ytop, dim=1)
+                # y * inv is within 448 (1 + 2^-22) or NaN unless round_sf meets an infinite amax: then the full cast
+                if r0 + (BM - 1) < NT and ((flags & ROUND_SF) == 0 or ytop[0] < T.infinity("float32")):
+                    for i, g, k in T.Parallel(BM, GB, G):
+                        Q[r0 + i, g * G + k] = e4m3_in_range(y[i, g, k] * inv[i, g])
+                elif r0 + (BM - 1) < NT:  # whole rows: scale, narrow and store into Q in one pass
                     for i, g, k in T.Parallel(BM, GB, G):
                         Q[r0 + i, g * G + k] = T.cast(y[i, g, k] * inv[i, g], "float8_e4m3fn")
                 else:

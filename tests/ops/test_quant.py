@@ -287,6 +287,34 @@ def test_cast_back_partial_tile(target):
     assert_equal(quant.cast_back((q, s), "bf16", (1, 128)), ref_cast_back(q, s, (1, 128), "bf16"))
 
 
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+@pytest.mark.parametrize("daz", [False, True], ids=["plain", "flush_denormal"])
+def test_cast_back_every_e4m3_code(target, out, daz):
+    # every e4m3 code (subnormals, +-0, NaN 0x7f / 0xff) in whole 512-column tiles, scales whose products stay
+    # normal. flush_denormal: this thread treats subnormal operands as zero (DAZ), where the decode by a multiply
+    # (_quant_kernels.e4m3_value) reads the subnormal codes as 0: the kernel must see it and take the plain decode
+    # (512 rows: this thread runs some of the blocks whatever the thread count)
+    n = rows(target, 512)
+    codes = torch.arange(256, dtype=torch.int32).repeat(2 * n).view(n, 512)
+    codes = codes[:, torch.randperm(512)].to(torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    s = torch.tensor([1.0, 0.125, 0.7, 3000.0, 2.0 ** -20, 1.5e30])[torch.randint(0, 6, (n, 4))]
+    ref = ref_cast_back(q, s, (1, 128), out)
+    if daz and not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        y = quant.cast_back((q, s), out, (1, 128))
+    finally:
+        torch.set_flush_denormal(False)
+    nan = (codes & 0x7F) == 0x7F
+    assert_equal(y[~nan], ref[~nan])
+    assert y[nan].isnan().all()
+    if target == "c":  # the prelude's NaNs: bf16 0x7fc0 (tg_f32_to_bf16), float32 +-0x7ff00000 (tg_f8e4m3_to_f32)
+        bits = y.view(torch.int16 if out == "bf16" else torch.int32)[nan]
+        want = torch.where(codes[nan] >= 128, -0x100000, 0x7FF00000) if out == "fp32" else torch.full_like(bits, 0x7FC0)
+        assert torch.equal(bits, want.to(bits.dtype))
+
+
 def test_unpack_from_e2m1fn_x2(target):
     q, _ = ref_cast(randn(rows(target, 64), 576), "e2m1", (1, 32))
     assert_equal(quant.unpack_from_e2m1fn_x2(q), e2m1_decode(q))
@@ -340,12 +368,13 @@ def test_swiglu_forward_and_per_token_cast(target, case):
         assert_equal(counts, counts_ref)
 
 
-@pytest.mark.parametrize("clamp", [None, 50.0])
-def test_swiglu_forward_large_left_values(target, clamp):
+@pytest.mark.parametrize("clamp,round_sf", [(None, False), (None, True), (50.0, False)])
+def test_swiglu_forward_large_left_values(target, clamp, round_sf):
     """Rows whose |left| (clamped) reaches _swiglu.MID take exp_f32, the others exp_mid. left -88.5 has exp(88.5)
     finite where exp_mid's power of two overflows (silu -3.3e-37, made visible by right = 1e37, unclamped): the
     output differs if such a row takes exp_mid. Rows with +inf and NaN on the left (not -inf: silu(-inf) = -inf / inf
-    is the default NaN here, sign bit set, 0xff after the cast, where torch's is 0x7f; as before exp_mid)."""
+    is the default NaN here, sign bit set, 0xff after the cast, where torch's is 0x7f; as before exp_mid). The +inf
+    row's amax is inf: under round_sf its cast must not take e4m3_in_range (no saturation)."""
     n, h = (7 if target == "c" else 5), 256
     x = randn(n, 2 * h, scale=2.0)
     x[0, 3], x[0, h + 3] = -88.5, 1e37
@@ -354,11 +383,11 @@ def test_swiglu_forward_large_left_values(target, clamp):
     x[2, 9] = float("inf")
     x[3, :h] = float("nan")  # a NaN row (a NaN among finite values: torch's amax is NaN, the kernels' skips it)
     x[4, 0:4] = torch.tensor([-104.5, 100.5, -87.0, 86.9])
-    q, s = quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128, swiglu_clamp_value=clamp)
+    q, s = quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128, swiglu_clamp_value=clamp, round_sf=round_sf)
     y = swiglu_ref(x, clamp=clamp)
     if clamp is None:
-        assert -10.0 < y[0, 3] < -1.0
-    rq, rs = ref_cast(y, "e4m3", (1, 128))
+        assert -10.0 < y[0, 3] < -1.0 and torch.isinf(y[2, 9])
+    rq, rs = ref_cast(y, "e4m3", (1, 128), round_sf=round_sf)
     keep = torch.arange(n) != 3  # the NaN row's amax: the kernels' max skips NaN (the clamp's scale), torch's is NaN
     assert_equal(s[keep], rs[keep])
     assert_equal(q, rq)
