@@ -159,7 +159,10 @@ class CFamilyEmitter:
         src, d = e.args[0].dtype, e.dtype
         x = self.ex(e.args[0])
         w = f"uint{d.bits}_t"
-        if src.is_narrow_float:
+        raw = self.raw_bits(e.args[0], src) if src.is_narrow_float else None
+        if raw is not None:  # a stored narrow value (a load, a select of loads...): its bits, not decoded and encoded
+            bits = f"(({w}){raw})"
+        elif src.is_narrow_float:
             bits = f"tg_f32_to_{SUFFIX[src.name]}({x})"
         elif src.is_float:
             bits = f"tg_f2bits({x})" if src.bits == 32 else f"tg_d2bits({x})"

@@ -76,6 +76,26 @@ def e4m3_in_range(v):
 
 
 @T.macro
+def e4m3_value(q):
+    """T.cast(q, "float32") of an e4m3 value in a multiply: its sign and 7 magnitude bits placed as float32 bits 31
+    and 26..20 make the float32 2^-120 q (the subnormal codes fall on float32 subnormals, which have no implicit bit
+    either), times 2^120, exact; 0x7f / 0xff (NaN) give +-0x7ff00000 as the prelude's conversion does. Wrong where
+    the thread treats subnormal operands as zero (MXCSR.DAZ, torch.set_flush_denormal(True)): callers test
+    ``subnormals_kept`` first."""
+    b = T.cast(T.reinterpret(q, "uint8"), "uint32")
+    sgn = (b << 24) & 0x80000000
+    v = T.reinterpret(sgn | ((b << 20) & 0x07F00000), "float32") * 1.329227995784916e36
+    return T.if_then_else((b & 0x7F) == 0x7F, T.reinterpret(sgn | 0x7FF00000, "float32"), v)
+
+
+@T.macro
+def subnormals_kept(n):
+    """True where this thread's float multiply keeps a subnormal operand (no DAZ); ``n`` a non-negative runtime
+    integer (the compiler must not fold the product: it would not see the thread's mode)."""
+    return T.reinterpret((n >> 31) | 1, "float32") * 1.329227995784916e36 > 0.0
+
+
+@T.macro
 def e2m1_value(code):
     """The float32 value of a 4-bit e2m1 code (an int32 in 0..15)."""
     m = code & 7
@@ -492,11 +512,16 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
             if in_fmt == "e4m3" and bc != 0 and r0 + (BM - 1) < NT and c0 + (W - 1) < QC and c0 + (W - 1) < OC:
                 # a whole tile. bfloat16: read and scale into a float32 tile, then one converting streaming copy per
                 # row (tegula_stream.h: rounded in hardware where the ISA has it, Out's lines not read before they
-                # are written); float32: read, scale and store in one pass (a streaming copy measured slower)
+                # are written); float32: read, scale and store in one pass (a streaming copy measured slower).
+                # bfloat16 decodes e4m3 by a multiply (e4m3_value) unless the thread flushes subnormal operands
                 load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
                 if out_dtype == "bfloat16":
-                    for i, c, k in T.Parallel(BM, NB, bc):
-                        xf[i, c * bc + k] = T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c]
+                    if subnormals_kept(hidden):
+                        for i, c, k in T.Parallel(BM, NB, bc):
+                            xf[i, c * bc + k] = e4m3_value(Q[r0 + i, c0 + c * bc + k]) * xs[i, c]
+                    else:
+                        for i, c, k in T.Parallel(BM, NB, bc):
+                            xf[i, c * bc + k] = T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c]
                     for i in T.serial(BM):
                         T.copy(xf[i, 0:W], Out[r0 + i, c0:c0 + W], eviction_policy="evict_first")
                 else:
