@@ -66,13 +66,17 @@ def e2m1_code(v):
 @T.macro
 def e4m3_in_range(v):
     """T.cast(v, "float8_e4m3fn") for |v| < 464 or NaN, without the saturation to 448 that larger values need (one
-    min fewer than the prelude's tg_f32_to_f8e4m3, the same rounding: checked equal in C on every such float32)."""
+    min fewer than the prelude's tg_f32_to_f8e4m3, the same rounding: checked equal in C on every such float32).
+    The code, the low byte of s + (s >> 20), is taken as bits 24..31 of (s << 24) + (s << 4) (bits 20..27 of
+    s + (s << 20), no carry into them) with the sign or-ed at bit 31, one shift right by 24: gcc then narrows one
+    32-bit value per lane (3 permutes per 64 values) where the or of two shifted terms was narrowed term by term (9);
+    byte-equal on all 2^32 inputs (C), the loop 0.120 -> 0.113 ns/value from L1."""
     x = T.reinterpret(v, "uint32")
     a = x & 0x7FFFFFFF
     e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
     s = T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
-    r = T.if_then_else(a > 0x7F800000, T.cast(0x7F, "uint32"), s + (s >> 20))
-    return T.reinterpret(T.cast(((x >> 24) & 0x80) | r, "uint8"), "float8_e4m3fn")
+    u = T.if_then_else(a > 0x7F800000, T.cast(0x7F000000, "uint32"), (s << 24) + (s << 4))
+    return T.reinterpret(T.cast((u | (x & 0x80000000)) >> 24, "uint8"), "float8_e4m3fn")
 
 
 @T.macro

@@ -258,6 +258,32 @@ def test_block_and_channel_cast_infinities(target, kind):
     assert_equal(q, rq)
 
 
+def test_e4m3_in_range_equals_the_full_cast():
+    # _quant_kernels.e4m3_in_range against the prelude's saturating cast on every float32 with the low 12 bits in
+    # {0, 1, 0x7ff, 0x800, 0x801, 0xfff} (ties, sticky bits, every exponent and sign) below 464 in magnitude, NaN
+    # included (c target: the emitted narrowing is what it is about)
+    import tegula
+    import tegula.language as T
+    from tegula.ops._quant_kernels import e4m3_in_range
+
+    hi = torch.arange(1 << 20, dtype=torch.int64) << 12
+    bits = (hi[:, None] | torch.tensor([0, 1, 0x7FF, 0x800, 0x801, 0xFFF])).flatten()
+    v = (bits - ((bits >= 1 << 31).long() << 32)).to(torch.int32).view(torch.float32)
+    v = v[~(v.abs() >= 464)]  # keeps NaN
+    n = v.numel()
+
+    @T.prim_func
+    def main(X: T.Tensor((n,), "float32"), A: T.Tensor((n,), "float8_e4m3fn"), B: T.Tensor((n,), "float8_e4m3fn")):
+        with T.Kernel(T.ceildiv(n, 4096)) as b:
+            for i in T.Parallel(4096):
+                if b * 4096 + i < n:
+                    A[b * 4096 + i] = e4m3_in_range(X[b * 4096 + i])
+                    B[b * 4096 + i] = T.cast(X[b * 4096 + i], "float8_e4m3fn")
+
+    a, b = tegula.compile(main, out_idx=[1, 2], target="c")(v)
+    assert_equal(a, b)
+
+
 # back to floats -------------------------------------------------------------------------------------------------
 
 CAST_BACK = [  # (fmt, out, block, scales)
