@@ -12,7 +12,8 @@ from tegula.ir import stmt as S
 from tegula.ir.cpu import StreamCopy
 from tegula.passes import rewrite
 
-HEAP_THRESHOLD = 64 * 1024  # per-thread on-chip bytes above which buffers come from the heap, not the stack
+HEAP_THRESHOLD = 64 * 1024  # per-thread on-chip bytes above which buffers come from the heap (a block each thread
+# keeps between calls: tegula_rt.h tg_scratch), not the stack
 
 
 class CEmitter(CFamilyEmitter):
@@ -99,7 +100,7 @@ class CEmitter(CFamilyEmitter):
         self.w("const int64_t tg_nblocks = tg_gx * tg_gy * tg_gz;")
         heap = total > HEAP_THRESHOLD
         if heap:
-            self.w(f"char *tg_smem = (char *)tg_aligned_alloc({_round64(total)});")
+            self.w(f"char *tg_smem = (char *)tg_scratch({_round64(total)});")
         offset = 0
         for b in allocs:
             ct, n = STORAGE[b.dtype.name], _numel(b)
@@ -122,7 +123,7 @@ class CEmitter(CFamilyEmitter):
         if any(isinstance(s, StreamCopy) for s in S.walk(k.body)):
             self.w("tg_store_fence();")  # this thread's streaming stores are visible once the kernel returns
         if heap:
-            self.w("free(tg_smem);")
+            self.w(f"tg_scratch_done(tg_smem, {_round64(total)});")
 
     # locals declared outside kernels are passed to the grids' functions: self.outer lists those in scope
     def stmt_Assign(self, s: S.Assign):

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <stdbool.h>
 #include <math.h>
+#include <pthread.h>
 #include "tegula_types.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -182,5 +183,35 @@ static inline void *tg_aligned_alloc(size_t bytes) {
   void *p = NULL;
   if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) abort();
   return p;
+}
+
+/* One thread's on-chip buffers of more than 64 KiB (codegen/c.py: the heap path): a block kept per thread (per
+ * kernel library) between calls, up to TG_SCRATCH_MAX bytes, freed when the thread exits. A posix_memalign + free
+ * of a few hundred KiB per call cost ~0.1-0.3 us in a topk call (glibc consolidates its fast bins for every such
+ * request), much of a small kernel's fixed cost. Larger requests, or no thread key left, take the heap each call. */
+#define TG_SCRATCH_MAX ((size_t)1 << 20)
+static pthread_key_t tg_scratch_key __attribute__((unused));
+static int tg_scratch_ok __attribute__((unused));
+static pthread_once_t tg_scratch_once __attribute__((unused)) = PTHREAD_ONCE_INIT;
+static __attribute__((unused)) void tg_scratch_init(void) {
+  tg_scratch_ok = pthread_key_create(&tg_scratch_key, free) == 0;
+}
+static inline void *tg_scratch(size_t bytes) {   /* a block of >= bytes, 64-byte aligned; see tg_scratch_done */
+  if (bytes > TG_SCRATCH_MAX) return tg_aligned_alloc(bytes);
+  pthread_once(&tg_scratch_once, tg_scratch_init);
+  if (!tg_scratch_ok) return tg_aligned_alloc(bytes);
+  size_t *p = (size_t *)pthread_getspecific(tg_scratch_key);   /* [capacity, ... 64 bytes][the block] */
+  if (p == NULL || p[0] < bytes) {   /* the first call on this thread, or a larger grid than before */
+    size_t *q = (size_t *)tg_aligned_alloc(bytes + 64);
+    q[0] = bytes;
+    if (pthread_setspecific(tg_scratch_key, q) != 0) { free(q); return tg_aligned_alloc(bytes); }
+    free(p);
+    p = q;
+  }
+  return (char *)p + 64;
+}
+static inline void tg_scratch_done(void *block, size_t bytes) {   /* after tg_scratch(bytes) returned block */
+  if (bytes > TG_SCRATCH_MAX || !tg_scratch_ok || (char *)pthread_getspecific(tg_scratch_key) + 64 != block)
+    free(block);
 }
 #endif
