@@ -410,9 +410,10 @@ def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
                 ic = T.reshape(invc, (HP,))
                 if fmt == "e4m3" and mode == "cast" and r0 + (bt - 1) < NT and HP - 1 < XC and (
                         (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32")):  # values within 448 (1 + 2^-22)
-                    for r in T.serial(bt):
-                        for j in T.Parallel(HP):
-                            Q[r0 + r, j] = e4m3_in_range(T.cast(X[r0 + r, j], "float32") * ic[j])
+                    for r in T.serial(bt):  # the group's scale hoisted per bc columns (a per-column ic[j] load
+                        for g, k in T.Parallel(GB, bc):  # per value measured 6% slower from memory)
+                            Q[r0 + r, g * bc + k] = e4m3_in_range(
+                                T.cast(X[r0 + r, g * bc + k], "float32") * inv[0, g])
                 elif fmt == "e4m3" and r0 + (bt - 1) < NT and HP - 1 < XC:  # a whole band: read, cast, store in place
                     for r in T.serial(bt):
                         for j in T.Parallel(HP):

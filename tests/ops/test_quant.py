@@ -211,6 +211,7 @@ PER_BLOCK = [  # (tokens, hidden, dtype, fmt, block, scales)
     (257, 576, torch.bfloat16, "e4m3", (32, 128), "colmajor"),
     (70, 200, torch.float32, "e2m1", (32, 32), "plain"),  # a partial last group and a masked last vector
     (300, 1024, torch.bfloat16, "e4m3", (128, 128), "plain"),  # whole bands cast in place, and a partial one
+    (96, 2048, torch.bfloat16, "e4m3", (32, 32), "round"),  # whole bands of 32 x 32 blocks cast in place
 ]
 
 
