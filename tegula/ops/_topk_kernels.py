@@ -8,7 +8,8 @@ A block reads its range in BLOCKs (32-bit rows through a T.Pipelined loop: the C
 one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a
 chunk whose largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (SUB16
 for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appending exactly the survivors, in
-index order, to the candidate buffer. When the buffer holds k + b2 entries a select finds the k-th largest key
+index order, to the candidate buffer (16-bit rows where a sampled threshold lets many keys pass: compressing
+stores instead, pass2_dense). When the buffer holds k + b2 entries a select finds the k-th largest key
 (a search over the candidates' own key range, each step one vectorised count of the candidates above a key),
 keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
 up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys (in short runs); short
@@ -41,6 +42,10 @@ SAMPLE_RUN = 32           # where one SAMPLE would hold < 1 of the top k (b1 1M 
 SAMPLE_VEC = 8            # a single SAMPLE (and short_row's) is read in runs of this many adjacent keys (16 bytes
                           # of a 16-bit row): a vector copy; single keys at a stride were one scalar load each
                           # (b1 8K k512 kernel -8%, k2048 -4%)
+DENSE = 0.08              # 16-bit rows whose sampled threshold lets about this share of the keys pass or more
+                          # append them by compressing stores (pass2_dense), the others by walking set bits
+                          # (b1 8K k512, ~10%: kernel -7%; at ~6% both alike, at ~3.6% the walk 1.2-1.4x faster)
+WG = 16                   # pass2_dense widens its survivors WG at a time
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
 CAP = KMAX + B2MAX + CHUNK
 PAD = CHUNK + 256         # ck, ci are CAP + PAD long: room for a last whole chunk, and 1 KiB apart modulo
@@ -265,6 +270,41 @@ def _macros(bits):
         keep(b, b.st[0], T.cast(kth, "int32"), k - above)
 
     @T.macro
+    def pass2_dense(b, xb, off, base, thr):
+        """pass2 for 16-bit keys read in place where many pass (top_range's dense scan): the keys above thr
+        and their positions in the chunk appended in the compress form (the c target: 32 at a time, vpcompressw)
+        to k16 / p16, then widened onto the candidates: no bit walk (a mispredicted exit per word), no ballot."""
+        thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t)
+        w = T.cast(0, "int32")
+        for j in T.serial(CHUNK):
+            kr = key_raw(xb[off + j])
+            if kr >= thr_raw:
+                b.k16[w] = kr
+                b.p16[w] = T.cast(j, raw_t)
+                w = w + 1
+        cnt = b.st[0]
+        b.st[4] = T.cast(w > 0, "int32")
+        if w > 0:
+            # widened WG at a time (whole vectors: entries past cnt + w are overwritten later or never read), the
+            # range per lane beside (a scalar loop over w, or min / max updates in the compress loop, cost 7%)
+            for i in T.Parallel(WG):
+                b.lmax[i] = INT_MIN
+                b.lmax[WG + i] = INT_MAX
+            for g in T.serial((w + WG - 1) // WG):
+                for i in T.Parallel(WG):
+                    kv = T.cast(b.k16[g * WG + i], "int32")
+                    b.ck[T.cast(cnt, "int64") + g * WG + i] = kv
+                    b.ci[T.cast(cnt, "int64") + g * WG + i] = base + T.cast(b.p16[g * WG + i], "int32")
+                    live = g * WG + i < w
+                    b.lmax[i] = T.max(b.lmax[i], T.if_then_else(live, kv, INT_MIN))
+                    b.lmax[WG + i] = T.min(b.lmax[WG + i], T.if_then_else(live, kv, INT_MAX))
+            T.reduce_max(b.lmax[0:WG], b.ext[0:1], dim=0)
+            T.reduce_min(b.lmax[WG:2 * WG], b.ext[1:2], dim=0)
+            b.st[0] = cnt + w
+            b.st[2] = T.max(b.st[2], b.ext[0])
+            b.st[3] = T.min(b.st[3], b.ext[1])
+
+    @T.macro
     def pass2(b, xb, off, base, src_idx, row, raw_src, thr):
         """Append the keys of xb[off : off + CHUNK] above thr: a bit mask per SUB keys (a ballot) whose set bits
         T.clz walks, in order."""
@@ -303,7 +343,7 @@ def _macros(bits):
         b.st[3] = bot
 
     @T.macro
-    def chunk(b, xb, off, base, src_idx, row, raw_src, k, b2):
+    def chunk(b, xb, off, base, src_idx, row, raw_src, k, b2, dense=False):
         """Append the keys of xb[off : off + CHUNK] (positions base...) that beat the threshold st[1]. A first
         cheap pass finds whether any does (each lane's largest key), and only then the ballot pass (pass2)
         runs; 16-bit rows skip the first pass while the previous chunk had survivors (st[4]), as most chunks
@@ -316,7 +356,10 @@ def _macros(bits):
                     mag = T.max(mag, xb[off + j * LANES + lane] & low)
                 b.mg[lane] = mag
             if thr < 32767:
-                pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+                if dense:
+                    pass2_dense(b, xb, off, base, thr)
+                else:
+                    pass2(b, xb, off, base, src_idx, row, raw_src, thr)
             else:
                 b.st[4] = 0
         else:
@@ -336,12 +379,15 @@ def _macros(bits):
                     b.mg[lane] = mag
             T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
             if b.ext[0] > thr:
-                pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+                if dense:
+                    pass2_dense(b, xb, off, base, thr)
+                else:
+                    pass2(b, xb, off, base, src_idx, row, raw_src, thr)
         if b.st[0] >= k + b2:
             select(b, k)
 
     @T.macro
-    def scan(b, lo, hi, src, src_idx, row, raw_src, k, b2):
+    def scan(b, lo, hi, src, src_idx, row, raw_src, k, b2, dense=False):
         """Append the keys of positions [lo, hi) of src[row, :] that beat the threshold st[1] (with their
         indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
         Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check). The input
@@ -356,11 +402,11 @@ def _macros(bits):
         for blk in (T.Pipelined(nblk, num_stages=2) if pipe else T.serial(nblk)):
             T.copy(src[row, lo + blk * BLOCK], xb)   # a whole-tile copy: one bounds test, not one per element
             for q in T.serial(BLOCK // CHUNK):
-                chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2)
+                chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2, dense)
         nfull = (hi - lo) // CHUNK
         for c in T.serial(nblk * (BLOCK // CHUNK), nfull):
             T.copy(src[row, lo + c * CHUNK], xb[0:CHUNK])
-            chunk(b, xb, 0, lo + c * CHUNK, src_idx, row, raw_src, k, b2)
+            chunk(b, xb, 0, lo + c * CHUNK, src_idx, row, raw_src, k, b2, dense)
         tail = lo + nfull * CHUNK
         thr = b.st[1]
         cnt = b.st[0]
@@ -442,6 +488,7 @@ def _macros(bits):
             nsmp = T.cast(1, "int32")
         mu = mu1 * T.cast(nsmp, "float32")
         sampled = T.cast(0, "int32")
+        dense = T.cast(0, "int32")
         if mu >= 1.0 and length >= 2 * SAMPLE * nsmp:
             if nsmp == 1:
                 sample(b, src, row, lo, length // SAMPLE)
@@ -451,9 +498,14 @@ def _macros(bits):
             _reset(b)
             b.st[1] = T.max(T.cast(t0, "int32"), INT_MIN + 1) - 1
             sampled = 1
+            if bits == 16:   # pass2_dense where the expected share of keys passing is large
+                dense = T.cast((mu + 3.0 * T.sqrt(mu) + 2.0) >= DENSE * T.cast(nsmp * SAMPLE, "float32"), "int32")
         again = T.cast(1, "int32")
         while again != 0:
-            scan(b, lo, hi, src, src, row, True, k, b2)
+            if bits == 16 and dense != 0:   # a scan of its own: the other keeps its code as it was
+                scan(b, lo, hi, src, src, row, True, k, b2, True)
+            else:
+                scan(b, lo, hi, src, src, row, True, k, b2)
             again = 0
             if sampled != 0 and b.st[0] < k:
                 sampled = 0

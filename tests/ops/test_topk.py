@@ -149,6 +149,46 @@ def test_run_sample_fallback_when_the_runs_are_misleading():
     check(x, k, v, i)
 
 
+# 16-bit rows where many keys pass the sampled threshold (pass2_dense: compressing stores, no bit walk) -------
+
+@pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int64), (F16, torch.int32)])
+def test_dense_rows_lengths_offsets_and_orders(dtype, idx_type):
+    # k / n between 1/16 and 1/8 (top_range, about a tenth of the keys pass); lengths with partial chunks and
+    # blocks, ties, offsets, both orders
+    b, n, k = 5, 32768, 2048
+    x = torch.randn(b, n).to(dtype)
+    x[0, 100:400] = x[0, 50]   # ties
+    x[3] = torch.randint(-20, 20, (n,)).to(dtype)
+    end = torch.tensor([32768, 30001, 20000, 32767, 2048 * 9 + 5], dtype=torch.int32)
+    off = torch.tensor([0, -9, 77, 1 << 20, 3], dtype=torch.int32)
+    for by_value in (False, True):
+        v, i = topk(x, k, sorted=by_value, end=end, indices_type=idx_type, output_idx_offset=off)
+        check(x, k, v, i, end=end, by_value=by_value, offset=off)
+    for rows in (x[:1, :8192], x[1:4, :8192], x[:, :5000]):   # 8K k512 (b1, b3), k / n > 1/10
+        v, i = topk(rows.contiguous(), 512)
+        check(rows, 512, v, i)
+
+
+def test_dense_rows_flag_nan_and_rescan_a_misleading_sample():
+    n, k = 8192, 512
+    x = torch.randn(3, n).to(BF16)
+    x[1, 4000] = float("nan")      # mid-row: chunks that follow survivors skip the cheap first pass
+    # row 2: the sample (runs of 8 keys, 128 apart) meets 256 large keys in its runs, and the row holds no other:
+    # fewer than k pass, the row is scanned again with a rising threshold. The other keys are adjacent values,
+    # the first 2048 all equal: the select when the buffer first fills makes them the threshold, and the keys one
+    # above it, all later in the row, are among the top k
+    x[2] = (1.0 + torch.randint(0, 4, (n,)) * 2.0**-7).to(BF16)
+    x[2, :2048] = 1.0 + 2 * 2.0**-7
+    for g in range(64):
+        x[2, g * 128:g * 128 + 4] = 10.0
+    v, i = topk(x, k, abort_when_nan_found=False)
+    assert i[1, 0] == NAN_FLAG
+    check(x[[0, 2]], k, v[[0, 2]], i[[0, 2]])
+    assert bool((x[2].float()[i[2].long()] == 10.0).sum() == 256)
+    with pytest.raises(ValueError, match="row 1 holds NaN"):
+        topk(x, k)
+
+
 # end, fill values, offsets, outputs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64), (F32, torch.int64)])
