@@ -518,7 +518,7 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
                 # a whole tile. bfloat16: read and scale into a float32 tile, then one converting streaming copy per
                 # row (tegula_stream.h: rounded in hardware where the ISA has it, Out's lines not read before they
                 # are written); float32: read, scale and store in one pass (a streaming copy measured slower).
-                # bfloat16 decodes e4m3 by a multiply (e4m3_value) unless the thread flushes subnormal operands
+                # Both decode e4m3 by a multiply (e4m3_value) unless the thread flushes subnormal operands
                 load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
                 if out_dtype == "bfloat16":
                     if subnormals_kept(hidden):
@@ -529,6 +529,9 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
                             xf[i, c * bc + k] = T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c]
                     for i in T.serial(BM):
                         T.copy(xf[i, 0:W], Out[r0 + i, c0:c0 + W], eviction_policy="evict_first")
+                elif subnormals_kept(hidden):
+                    for i, c, k in T.Parallel(BM, NB, bc):
+                        Out[r0 + i, c0 + c * bc + k] = e4m3_value(Q[r0 + i, c0 + c * bc + k]) * xs[i, c]
                 else:
                     for i, c, k in T.Parallel(BM, NB, bc):
                         Out[r0 + i, c0 + c * bc + k] = T.cast(T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c],
