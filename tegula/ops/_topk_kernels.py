@@ -704,16 +704,15 @@ def _macros(bits):
     def nth_equal(b, src, row, length, kv, nth):
         """The position of the nth (1-based) key equal to kv in src[row, :length] (which holds at least nth):
         one bit mask per SUB16 keys compared in their own width (a ballot) and its popcount per step, the word
-        that holds it walked; chunks after it are skipped."""
+        that holds it walked; chunks after it are skipped. Whole chunks are read from short_row's keys (b.rk)."""
         kr = T.cast(kv, raw_t)
         left = nth
         pos = T.cast(length - 1, "int32")
         nfull = length // CHUNK
         for c in T.serial(nfull):
             if left > 0:
-                T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
                 for s, j in T.Parallel(CHUNK // SUB16, SUB16):
-                    b.fb16[s, j] = T.cast(key_raw(b.xs[s * SUB16 + j]) == kr, "uint64") << T.cast(j, "uint64")
+                    b.fb16[s, j] = T.cast(b.rk[c * CHUNK + s * SUB16 + j] == kr, "uint64") << T.cast(j, "uint64")
                 T.reduce_sum(b.fb16, b.masks16, dim=1)
                 left, pos = nth_in_words(b.masks16, CHUNK // SUB16, SUB16, c * CHUNK, left, pos)
         for j in T.serial(length - nfull * CHUNK):
