@@ -128,6 +128,27 @@ def test_per_token_cast_requantises(target, case):
     assert_equal(q, rq)
 
 
+@pytest.mark.parametrize("daz", [False, True], ids=["plain", "flush_denormal"])
+def test_per_token_cast_requantises_every_e4m3_code(target, daz):
+    # every e4m3 code but NaN (0 in their place) in whole 512-column tiles, decoded by a multiply
+    # (_quant_kernels.e4m3_value); flush_denormal: the thread reads subnormal operands as zero, so the kernel must
+    # take the plain decode (512 rows: this thread runs some of the blocks whatever the thread count)
+    n = rows(target, 512)
+    codes = torch.arange(256, dtype=torch.int32).repeat(2 * n).view(n, 512)[:, torch.randperm(512)]
+    codes[(codes & 0x7F) == 0x7F] = 0
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.tensor([1.0, 0.125, 3.0, 2.0 ** -20])[torch.randint(0, 4, (n, 4))]
+    rq, rs = ref_cast((q, s), "e4m3", (1, 128), x_block=(1, 128))
+    if daz and not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        q2, s2 = quant.per_token_cast((q, s), "e4m3", 128, x_block_size=(1, 128))
+    finally:
+        torch.set_flush_denormal(False)
+    assert_equal(s2, rs)
+    assert_equal(q2, rq)
+
+
 def test_e2m1_codes_round_to_nearest_even(target):
     # the ties between neighbouring codes, just below and above them, and specials
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
