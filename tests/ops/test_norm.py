@@ -49,16 +49,29 @@ def test_rmsnorm_streamed_output(dtype):
     assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).to(dtype))
 
 
-def test_rmsnorm_kernel_row_groups(target):
-    """The kernel's default blocks (8 pipelined groups of 4 rows, each chunk staged) on an output below the
-    streaming size: rows past the last group's end, a partial chunk, a row stride."""
+@pytest.mark.parametrize("groups", [8, 32])
+def test_rmsnorm_kernel_row_groups(target, groups):
+    """The kernel's pipelined blocks (8 or 32 groups of 4 rows, whole chunks summed from X behind a copy nothing
+    reads) on an output below the streaming size: rows past the last group's end, a partial chunk, a row stride."""
     from tegula.ops import _tk
-    n = 37 if target == "c" else 5
+    n = 37 + 4 * groups if target == "c" else 5
     x = torch.randn(n, 3 * 1000).bfloat16()[:, 1000:2000]
     w = torch.randn(1000).bfloat16()
     y = torch.empty(n, 1000, dtype=torch.bfloat16)
-    _tk.kernel(norm.rmsnorm_kernel, "bfloat16", "bfloat16")(x, w, y, 1e-6)
+    _tk.kernel(norm.rmsnorm_kernel, "bfloat16", "bfloat16", 256, 4, groups)(x, w, y, 1e-6)
     assert_equal(y, rmsnorm_ref(x, w, 1e-6).bfloat16())
+
+
+def test_rmsnorm_streamed_32_groups(monkeypatch):
+    """Large outputs take blocks of 32 groups (norm._groups): a streamed output with more rows than that needs
+    on one thread, rows past the last block's end, a row stride."""
+    monkeypatch.setenv("TEGULA_NUM_THREADS", "1")  # norm._groups reads it (tegula.config)
+    h = 1024
+    n = max(-(-norm.STREAM_MIN // h), 4 * 32 * 8) + 5
+    assert norm._groups(n) == 32
+    x = torch.randn(n, 2 * h).bfloat16()[:, 7:7 + h]
+    w = torch.randn(h).bfloat16()
+    assert_equal(norm.rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6).bfloat16())
 
 
 def test_rmsnorm_strided_rows(target):
