@@ -12,30 +12,11 @@ from __future__ import annotations
 import tegula.language as T
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, e4m3_in_range, scale_of, store_scales
-from tegula.ops._tk_math import _EXP_POLY, _L2L, _L2U, _R_LN2, _RINT_MAGIC, exp_f32, fma_f32
+from tegula.ops._tk_math import exp_f32, exp_mid, fma_f32
 
 LANES = 32
-MID = 87.0  # rows whose |left| values are all below this take exp_mid
+MID = 87.0  # rows whose |left| values are all below this take exp_mid (_tk_math: exact below 87)
 MID_BF16 = 0x42AE  # 87.0's bfloat16 bits
-
-
-@T.macro
-def exp_mid(d):
-    """exp_f32(d) for |d| < MID, bit for bit (checked in C on every such float32): the power of two 2^q (|q| <= 126)
-    is one normal float, so u * 2^q needs one multiply (exp_f32's two, u * 2^h * 2^(q - h), give the same bits:
-    the first is exact, and where the result is subnormal both round the same product once), and the range
-    selects for d < -104 and d > 100 fall away."""
-    t = d * _R_LN2 + _RINT_MAGIC
-    qf = t - _RINT_MAGIC
-    s = fma_f32(qf, -_L2U, d)
-    s = fma_f32(qf, -_L2L, s)
-    u = fma_f32(T.cast(_EXP_POLY[0], "float32"), s, _EXP_POLY[1])
-    u = fma_f32(u, s, _EXP_POLY[2])
-    u = fma_f32(u, s, _EXP_POLY[3])
-    u = fma_f32(u, s, _EXP_POLY[4])
-    u = fma_f32(u, s, _EXP_POLY[5])
-    u = 1.0 + fma_f32(s * s, u, s)
-    return u * T.reinterpret((T.reinterpret(t, "int32") - (0x4B400000 - 127)) << 23, "float32")
 
 
 @T.macro

@@ -29,22 +29,38 @@ def fma_f32(a, b, c):
 
 
 @T.macro
-def exp_f32(d):
-    t = d * _R_LN2 + _RINT_MAGIC  # the nearest integer to d / ln 2 sits in t's low mantissa bits
-    qf = t - _RINT_MAGIC
-    q = T.reinterpret(t, "int32") - 0x4B400000  # (a bit read, not a float -> int conversion: stays vectorised)
-    s = fma_f32(qf, -_L2U, d)
-    s = fma_f32(qf, -_L2L, s)
+def _exp_poly(s):
+    """exp(s) for the reduced argument |s| <= ln 2 / 2: 1 + s + s^2 P(s)."""
     u = fma_f32(T.cast(_EXP_POLY[0], "float32"), s, _EXP_POLY[1])
     u = fma_f32(u, s, _EXP_POLY[2])
     u = fma_f32(u, s, _EXP_POLY[3])
     u = fma_f32(u, s, _EXP_POLY[4])
     u = fma_f32(u, s, _EXP_POLY[5])
-    u = 1.0 + fma_f32(s * s, u, s)
+    return 1.0 + fma_f32(s * s, u, s)
+
+
+@T.macro
+def exp_f32(d):
+    t = d * _R_LN2 + _RINT_MAGIC  # the nearest integer to d / ln 2 sits in t's low mantissa bits
+    qf = t - _RINT_MAGIC
+    q = T.reinterpret(t, "int32") - 0x4B400000  # (a bit read, not a float -> int conversion: stays vectorised)
+    u = _exp_poly(fma_f32(qf, -_L2L, fma_f32(qf, -_L2U, d)))
     h = q >> 1
     u = u * T.reinterpret((h + 127) << 23, "float32") * T.reinterpret((q - h + 127) << 23, "float32")
     u = T.if_then_else(d < -104.0, T.cast(0.0, "float32"), u)
     return T.if_then_else(d > 100.0, T.infinity("float32"), u)
+
+
+@T.macro
+def exp_mid(d):
+    """exp_f32(d) for |d| < 87, bit for bit (checked in C on every such float32): the power of two 2^q (|q| <= 126)
+    is one normal float, so u * 2^q needs one multiply (exp_f32's two, u * 2^h * 2^(q - h), give the same bits:
+    the first is exact, and where the result is subnormal both round the same product once), and the range
+    selects for d < -104 and d > 100 fall away."""
+    t = d * _R_LN2 + _RINT_MAGIC
+    qf = t - _RINT_MAGIC
+    u = _exp_poly(fma_f32(qf, -_L2L, fma_f32(qf, -_L2U, d)))
+    return u * T.reinterpret((T.reinterpret(t, "int32") - (0x4B400000 - 127)) << 23, "float32")
 
 
 @T.macro
