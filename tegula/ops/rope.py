@@ -30,15 +30,11 @@ _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16"
 STREAM_MIN = _tk.STREAM_MIN  # calls rotating at least this many values write them back with streaming stores
 
 
-def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16, HB=4, AHEAD=2):
+def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16, HB=4):
     """X (tokens, heads, D) rotated in place in its first R dims; a block takes BT tokens, all heads (their cos / sin
     rows gathered once), token by token in tiles of HB heads. The token loop is pipelined: each tile's read is
     preceded by a prefetch of the next token's (a head's rotated dims are a few lines of its row, which the
-    hardware prefetchers follow poorly). AHEAD > 1: each tile also copies the same heads of the token AHEAD - 1 on
-    into a scratch tile that nothing reads, so that the pipelining prefetches them AHEAD tokens ahead (the copy
-    itself touches lines prefetched one step before). 1 thread, 0.5 GiB bf16, 16 x 128, 64 rotated: AHEAD 2 took
-    0.93-0.97 of the time of none (wall, 2 threads: 0.91-0.94); 3: 1.03 (one run), 4: 1.22, 8: 1.16 (the prefetches then
-    stalled on a full miss queue). Where the rotated values of a call reach STREAM_MIN (bfloat16 / float32),
+    hardware prefetchers follow poorly). Where the rotated values of a call reach STREAM_MIN (bfloat16 / float32),
     each head's run is written back by a streaming copy (bfloat16: the prelude's converting copy)."""
     NTOK, NH = T.dynamic("num_tokens"), T.dynamic("num_heads")
     streams = dtype in ("bfloat16", "float32")
@@ -56,7 +52,6 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
             cs = T.alloc_fragment((BT, R), "float32")
             x = T.alloc_fragment((HB, R), "float32")
             y = T.alloc_fragment((HB, R), "float32")
-            ahead = T.alloc_fragment((HB, R), dtype)  # never read: see AHEAD
             for t in T.Parallel(BT):
                 tok = T.min(t0 + t, NTOK - 1)
                 p = P[T.min(tok, NP - 1)] if use_pos else tok % seqlen + offset
@@ -66,8 +61,6 @@ def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, BT=16
             stream = streams and NTOK >= (STREAM_MIN + NH * R - 1) // (NH * R)
             for t in T.Pipelined(BT, num_stages=2):  # token by token, HB heads a tile: the rows run along memory
                 for hc in T.serial(T.ceildiv(NH, HB)):  # (a tile of BT tokens of one head strides by a token)
-                    if AHEAD > 1:
-                        T.copy(X[t0 + t + AHEAD - 1, hc * HB:hc * HB + HB, 0:R], ahead)
                     T.copy(X[t0 + t, hc * HB:hc * HB + HB, 0:R], x)
                     for hh, i in T.Parallel(HB, R2):
                         c = cs[t, i]
