@@ -1,5 +1,5 @@
 """The c target's on-chip buffers of more than 64 KiB a thread (codegen/c.py's heap path): each thread keeps one
-block per kernel library between calls (tegula_rt.h tg_scratch / tg_scratch_done: 64-byte aligned, grown for a
+block per kernel library between calls (tegula_rt.h tg_scratch / tg_scratch_done: page aligned, grown for a
 larger grid, freed when the thread exits); requests over TG_SCRATCH_MAX take the heap each call. Results equal
 interp's with the block reused, grown, and used from several threads at once."""
 import ctypes
@@ -23,21 +23,21 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-/* out: [aligned, reused, grown block aligned, grown block reused, over-max aligned, over-max not the kept block,
+/* out: [page aligned, reused, grown block page aligned, grown block reused, over-max 64-byte aligned, over-max not the kept block,
  *       kept block still returned after it, another thread's block differs] */
 void probe(int64_t *out) {
   char *a = tg_scratch(1000);
   memset(a, 1, 1000);
   tg_scratch_done(a, 1000);
   char *b = tg_scratch(1000);
-  out[0] = (intptr_t)a % 64 == 0;
+  out[0] = (intptr_t)a % 4096 == 0;
   out[1] = a == b && b[999] == 1;
   tg_scratch_done(b, 1000);
   char *c = tg_scratch(200000);
   memset(c, 2, 200000);
   tg_scratch_done(c, 200000);
   char *d = tg_scratch(1000);
-  out[2] = (intptr_t)c % 64 == 0;
+  out[2] = (intptr_t)c % 4096 == 0;
   out[3] = c == d && d[0] == 2;
   tg_scratch_done(d, 1000);
   char *e = tg_scratch(TG_SCRATCH_MAX + 1);

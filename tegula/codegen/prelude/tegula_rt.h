@@ -188,30 +188,39 @@ static inline void *tg_aligned_alloc(size_t bytes) {
 /* One thread's on-chip buffers of more than 64 KiB (codegen/c.py: the heap path): a block kept per thread (per
  * kernel library) between calls, up to TG_SCRATCH_MAX bytes, freed when the thread exits. A posix_memalign + free
  * of a few hundred KiB per call cost ~0.1-0.3 us in a topk call (glibc consolidates its fast bins for every such
- * request), much of a small kernel's fixed cost. Larger requests, or no thread key left, take the heap each call. */
+ * request), much of a small kernel's fixed cost. Larger requests, or no thread key left, take the heap each call.
+ * The kept block starts on a page (TG_SCRATCH_ALIGN; its capacity in the page before), so a kernel's buffers sit
+ * at the same offsets within their pages in every process: where the heap put it at any 64-byte offset, the
+ * b1 8K k512 topk kernel's unaligned masked stores into its k16 / p16 crossed a page boundary for 3 of the 64
+ * offsets (3.1 -> 3.2-5.2 us, in that process only). */
 #define TG_SCRATCH_MAX ((size_t)1 << 20)
+#define TG_SCRATCH_ALIGN ((size_t)4096)
 static pthread_key_t tg_scratch_key __attribute__((unused));
 static int tg_scratch_ok __attribute__((unused));
 static pthread_once_t tg_scratch_once __attribute__((unused)) = PTHREAD_ONCE_INIT;
 static __attribute__((unused)) void tg_scratch_init(void) {
   tg_scratch_ok = pthread_key_create(&tg_scratch_key, free) == 0;
 }
-static inline void *tg_scratch(size_t bytes) {   /* a block of >= bytes, 64-byte aligned; see tg_scratch_done */
+static inline void *tg_scratch(size_t bytes) {   /* a block of >= bytes, 64-byte aligned (the kept one: page
+                                                    * aligned); see tg_scratch_done */
   if (bytes > TG_SCRATCH_MAX) return tg_aligned_alloc(bytes);
   pthread_once(&tg_scratch_once, tg_scratch_init);
   if (!tg_scratch_ok) return tg_aligned_alloc(bytes);
-  size_t *p = (size_t *)pthread_getspecific(tg_scratch_key);   /* [capacity, ... 64 bytes][the block] */
+  size_t *p = (size_t *)pthread_getspecific(tg_scratch_key);   /* [capacity, ... one page][the block] */
   if (p == NULL || p[0] < bytes) {   /* the first call on this thread, or a larger grid than before */
-    size_t *q = (size_t *)tg_aligned_alloc(bytes + 64);
+    void *v = NULL;
+    if (posix_memalign(&v, TG_SCRATCH_ALIGN, bytes + TG_SCRATCH_ALIGN) != 0) abort();
+    size_t *q = (size_t *)v;
     q[0] = bytes;
     if (pthread_setspecific(tg_scratch_key, q) != 0) { free(q); return tg_aligned_alloc(bytes); }
     free(p);
     p = q;
   }
-  return (char *)p + 64;
+  return (char *)p + TG_SCRATCH_ALIGN;
 }
 static inline void tg_scratch_done(void *block, size_t bytes) {   /* after tg_scratch(bytes) returned block */
-  if (bytes > TG_SCRATCH_MAX || !tg_scratch_ok || (char *)pthread_getspecific(tg_scratch_key) + 64 != block)
+  if (bytes > TG_SCRATCH_MAX || !tg_scratch_ok ||
+      (char *)pthread_getspecific(tg_scratch_key) + TG_SCRATCH_ALIGN != block)
     free(block);
 }
 #endif
