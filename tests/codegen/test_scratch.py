@@ -3,15 +3,15 @@ block per kernel library between calls (tegula_rt.h tg_scratch / tg_scratch_done
 larger grid, freed when the thread exits); requests over TG_SCRATCH_MAX take the heap each call. Results equal
 interp's with the block reused, grown, and used from several threads at once."""
 import ctypes
-import threading
 
 import pytest
 import torch
+from prelude_driver import build
 
 import tegula
 import tegula.language as T
 from tegula.codegen.c import HEAP_THRESHOLD
-from tests.codegen.prelude_driver import build
+from tests._threads import run_in_threads
 
 DRIVER = r"""
 #include "tegula_rt.h"
@@ -23,8 +23,8 @@ static void *worker(void *arg) {
   return NULL;
 }
 
-/* out: [page aligned, reused, grown block page aligned, grown block reused, over-max 64-byte aligned, over-max not the kept block,
- *       kept block still returned after it, another thread's block differs] */
+/* out: [page aligned, reused, grown block page aligned, grown block reused, over-max 64-byte aligned,
+ *       over-max not the kept block, kept block still returned after it, another thread's block differs] */
 void probe(int64_t *out) {
   char *a = tg_scratch(1000);
   memset(a, 1, 1000);
@@ -87,23 +87,13 @@ def test_kernels_with_large_buffers_reuse_them_across_calls_and_threads(n):
         a, b = torch.randn(3, n), torch.empty(3, n)
         k(a, b)
         assert torch.equal(b, want(a))
-    errors = []
-
     def work(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(5):
-                a, b = torch.randn(3, n, generator=g), torch.empty(3, n)
-                k(a, b)   # the GIL is released in the kernel: threads run it at the same time
-                assert torch.equal(b, want(a))
-        except Exception as e:   # noqa: BLE001 (re-raised in the main thread)
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(5):
+            a, b = torch.randn(3, n, generator=g), torch.empty(3, n)
+            k(a, b)   # the GIL is released in the kernel: threads run it at the same time
+            assert torch.equal(b, want(a))
+    run_in_threads(work, range(4))
 
 
 def test_a_larger_grid_grows_the_kept_block():

@@ -9,6 +9,7 @@ import torch
 
 from tegula.ops import topk as topk_mod
 from tegula.ops.topk import get_stride_requirement, topk
+from tests._threads import run_in_threads
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 RAW = {BF16: torch.int16, F16: torch.int16, F32: torch.int32}
@@ -417,22 +418,13 @@ def test_values_cut_from_blocks_are_disjoint_and_kept():
 
 
 def test_plans_are_per_thread():
-    import threading
     xs = [torch.randn(3, 20000).to(BF16) for _ in range(4)]
-    res, errors = {}, []
+    res = {}
 
     def work(t):
-        try:
-            for _ in range(5):
-                res[t] = topk(xs[t], 300, sorted=True)
-        except Exception as e:   # noqa: BLE001 (re-raised in the main thread)
-            errors.append(e)
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+        for _ in range(5):
+            res[t] = topk(xs[t], 300, sorted=True)
+    run_in_threads(work, range(4))
     for t in range(4):
         check(xs[t], 300, *res[t], by_value=True)
 
