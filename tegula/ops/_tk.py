@@ -50,6 +50,19 @@ def kernel(factory, *args):
 STREAM_MIN = 1 << 23  # norm / rope: outputs of at least this many values are written with streaming stores
 
 
+def threads() -> int:
+    """The threads a c kernel's grid runs on: tegula.config's num_threads (TEGULA_NUM_THREADS) where set, else the
+    cores this process may use."""
+    from tegula import config
+    n = config.get().num_threads
+    if n > 0:
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
 from tegula.ops import _flash_kernels as _flash
 from tegula.ops import _mla_kernels as K
+from tegula.ops import _tk
 
 BLOCK_N = 64          # keys per tile of the decode kernels
 MIN_SPLIT_TILES = 4   # a split of a long cache covers at least this many tiles
@@ -81,15 +81,6 @@ def _target() -> str:
     return resolve(None).name
 
 
-def _threads() -> int:
-    from tegula import config
-    n = config.get().num_threads
-    if n > 0:
-        return n
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _check_tensor(name, x, ndim=None, dtypes=None):
@@ -158,7 +149,7 @@ def _schedule(lengths: list[int], blocks_per_item: int):
     torch = _torch()
     tiles = [max(0, -(-n // BLOCK_N)) for n in lengths]
     total = sum(tiles) * blocks_per_item
-    want = 4 * _threads()
+    want = 4 * _tk.threads()
     chunk = max(MIN_SPLIT_TILES, -(-total // max(1, want)) // max(1, blocks_per_item) or 1)
     items, ns = [], [0]
     for g, (n, t) in enumerate(zip(lengths, tiles)):

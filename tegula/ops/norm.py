@@ -15,8 +15,6 @@ lanes folded pairwise (l + 16 into l, then 8, 4, 2, 1). One compiled kernel serv
 """
 from __future__ import annotations
 
-import os
-
 import tegula.language as T
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import (
@@ -224,11 +222,7 @@ def _groups(num_tokens: int) -> int:
     """Groups of 4 rows per block of the streamed rmsnorm: a block's first group is not prefetched, so 32 where
     that still leaves each thread 8 blocks, else 8. 37376 x 7168 bf16, 32 vs 8 alternated in one process, medians
     of 11 rounds: 1 thread process CPU time 0.958, 0.967 of the time; 2 threads wall 0.963, 0.961 (64: 0.950)."""
-    from tegula import config
-    threads = config.get().num_threads
-    if threads <= 0:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 32 if num_tokens >= 4 * 32 * 8 * threads else 8
+    return 32 if num_tokens >= 4 * 32 * 8 * _tk.threads() else 8
 
 
 def rmsnorm_forward_and_per_token_cast(x, weight, eps: float = 1e-6, fmt: str = "e4m3", num_per_channels: int = 128,

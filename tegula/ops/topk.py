@@ -19,6 +19,7 @@ import math
 import os
 import threading
 
+from tegula.ops import _tk
 from tegula.ops import _topk_kernels as K
 
 __all__ = ["topk", "get_stride_requirement"]
@@ -408,12 +409,5 @@ def _segments(batch, n) -> int:
 def _threads() -> int:
     t = _CACHE.get("threads")
     if t is None:
-        from tegula import config
-        t = config.get().num_threads
-        if t <= 0:
-            try:
-                t = len(os.sched_getaffinity(0))
-            except AttributeError:
-                t = os.cpu_count() or 1
-        _CACHE["threads"] = t
+        t = _CACHE["threads"] = _tk.threads()
     return t
