@@ -690,7 +690,20 @@ def _macros(bits):
         # positions as int16, offset by 2^15 (the order of p is that of p - 2^15), compared in 16-bit lanes
         lim_p = T.cast(T.min(lim, SHORT_MAX - 1) - 32768, raw_t)
         w = T.cast(0, "int32")
-        for j in T.serial(length):
+        ngrp = length // 32
+        p0 = T.cast(-32768, raw_t)
+        for g in T.serial(ngrp):
+            # groups of 32: the positions are a 16-bit base (carried, not g * 32 - 2^15: gcc made that the 32-bit
+            # j again) plus constant lanes; narrowing a 32-bit j took a permute of two vectors per group
+            for l in T.serial(32):
+                kv = b.rk[g * 32 + l]
+                p = p0 + T.cast(l, raw_t)
+                if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
+                    b.k16[w] = kv
+                    b.p16[w] = p
+                    w = w + 1
+            p0 = p0 + T.cast(32, raw_t)
+        for j in T.serial(ngrp * 32, length):
             kv = b.rk[j]
             p = T.cast(j - 32768, raw_t)
             if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
