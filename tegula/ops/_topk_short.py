@@ -1,0 +1,205 @@
+"""short_row, the exact top k of a short 16-bit row with k >= n / 8 (part of ``_topk_kernels``' macros, split out
+of that module for size): the row's keys are loaded once, the k-th largest key is found by counting passes
+(bracketed first by two ranks searched on a sample), and the keys above it, then the first ties, are kept by
+compressing stores of 16-bit keys and positions (k16 / p16), which emit16 writes out in index order or widen16
+turns into candidates."""
+from __future__ import annotations
+
+import tegula.language as T
+from tegula.ops._topk_kernels import CHUNK, SAMPLE, SAMPLE_VEC, SHORT_MAX, SUB16, nth_in_words
+
+
+def short_macros(m):
+    """(short_row, widen16, emit16) on the shared macros and per-width values of ``_topk_kernels._macros``
+    (``m``: key_of, key_raw, lane_count, search_kth, LANES, raw_t, low, KEY_MIN, KEY_END, rows, rows_after_first)."""
+    key_of, key_raw, lane_count, search_kth = m.key_of, m.key_raw, m.lane_count, m.search_kth
+    LANES, raw_t, low, KEY_MIN, KEY_END = m.LANES, m.raw_t, m.low, m.KEY_MIN, m.KEY_END
+    _ROWS, _ROWS_AFTER_FIRST = m.rows, m.rows_after_first
+
+    @T.macro
+    def load_keys(b, src, row, length):
+        """The keys of src[row, :length] (16-bit, length <= SHORT_MAX) into b.rk, padded with KEY_MIN to whole
+        CHUNKs, whose count it returns; b.mg takes in the raw magnitudes (the NaN check)."""
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
+            for lane in T.Parallel(LANES):
+                mag = b.mg[lane]
+                for j in _ROWS:
+                    v = b.xs[j * LANES + lane]
+                    b.rk[c * CHUNK + j * LANES + lane] = key_raw(v)
+                    mag = T.max(mag, v & low)
+                b.mg[lane] = mag
+        nch = nfull
+        if length > nfull * CHUNK:
+            for j in T.Parallel(CHUNK):
+                b.rk[nfull * CHUNK + j] = T.cast(KEY_MIN, raw_t)
+            for j in T.serial(length - nfull * CHUNK):
+                v = src[row, nfull * CHUNK + j]
+                b.rk[nfull * CHUNK + j] = key_raw(v)
+                b.mg[0] = T.max(b.mg[0], v & low)
+            nch = nfull + 1
+        return nch
+
+    @T.macro
+    def count_keys(b, nch, length, t):
+        """How many of the keys of the row (in the first nch CHUNKs of b.rk) are >= t, counted per lane in 16 bits
+        (vectorised; the padding is taken off where t <= KEY_MIN)."""
+        tr = T.cast(T.max(t, KEY_MIN), raw_t)
+        lane_count(b, b.rk, b.lcnt, nch, tr, raw_t)
+        return b.ext[0] - T.cast(t <= KEY_MIN, "int32") * (nch * CHUNK - length)
+
+    @T.macro
+    def sample_count(args, t):
+        """search_kth's count for short_row's sample: its SAMPLE keys (b.smp) >= t, in 16-bit lanes."""
+        b = args[0]
+        tr = T.cast(t, raw_t)
+        for lane in T.Parallel(LANES):
+            acc = T.cast(0, raw_t)
+            for j in _ROWS:
+                acc = T.if_then_else(b.smp[j * LANES + lane] >= tr, acc + T.cast(1, raw_t), acc)
+            b.lcnt[lane] = acc
+        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
+        return b.ext[0]
+
+    @T.macro
+    def key_count(args, t):
+        """search_kth's count for short_row: keys of the row >= t (args = (b, nch, length))."""
+        return count_keys(args[0], args[1], args[2], t)
+
+    @T.macro
+    def short_row(b, src, row, length, k):
+        """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
+        index order. The row's keys are made once (b.rk); the k-th largest key itself is found first, by
+        searching the key range for the point where the count of keys >= it falls below k: each count is one
+        vectorised pass over the keys, the search starts between two ranks of a sample and steps by
+        interpolation of the counts alternating with bisection. One more pass (compressing stores) then keeps
+        the keys above it and the first ones equal to it: no candidate buffer, no select."""
+        nch = load_keys(b, src, row, length)
+        mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
+        stride = length // SAMPLE
+        # the sample's two ranks around the k-th key, each searched for by counts over the 16-bit sample
+        for g, j in T.Parallel(SAMPLE // SAMPLE_VEC, SAMPLE_VEC):
+            b.smp[g * SAMPLE_VEC + j] = b.rk[g * (stride * SAMPLE_VEC) + j]
+        # its range from per-lane maxima / minima in 16-bit lanes (a reduction fused into the strided copy ran
+        # one element at a time)
+        for lane in T.Parallel(LANES):
+            top = b.smp[lane]
+            bot = b.smp[lane]
+            for j in _ROWS_AFTER_FIRST:
+                top = T.max(top, b.smp[j * LANES + lane])
+                bot = T.min(bot, b.smp[j * LANES + lane])
+            b.lmax[lane] = T.cast(top, "int32")
+            b.lmax[LANES + lane] = T.cast(bot, "int32")
+        T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+        T.reduce_min(b.lmax[LANES:2 * LANES], b.ext[1:2], dim=0)
+        smax = b.ext[0]
+        smin = b.ext[1]
+        lo, _, _ = search_kth(smin, smax + 1, SAMPLE, 0, T.min(T.cast(mu + 3.0 * T.sqrt(mu) + 2.0, "int32"), SAMPLE),
+                              sample_count, (b,), "int32")
+        hi, _, _ = search_kth(lo, smax + 1, SAMPLE, 0, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"),
+                              sample_count, (b,), "int32")
+        # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst
+        c_hi = count_keys(b, nch, length, hi)
+        c_lo = T.cast(length, "int32")
+        if c_hi >= k:
+            lo = hi
+            c_lo = c_hi
+            hi = KEY_END
+            c_hi = 0
+        else:
+            c = count_keys(b, nch, length, lo)
+            if c >= k:
+                c_lo = c
+            else:
+                hi = lo
+                c_hi = c
+                lo = KEY_MIN
+        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, key_count, (b, nch, length), "int32")
+        keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
+
+    @T.macro
+    def keep_dense(b, src, row, length, k, lo, c_lo, c_hi):
+        """short_row's last pass: the keys of the row (b.rk, length of them) above lo, the k-th largest key, and
+        the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo), in index order, into the
+        candidates."""
+        # lo is the k-th largest key: keep all keys above it and the first `need` equal to it, those up to
+        # position lim (the whole row when every key equal to lo is kept)
+        need = k - c_hi
+        lim = length
+        if need < c_lo - c_hi:
+            lim = nth_equal(b, src, row, length, lo, need)
+        # one loop in the compress form over 16-bit keys and positions (length <= SHORT_MAX = 2^16): the c
+        # target appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a
+        # branch and a mispredict per kept key (an eighth of the row or more). Left in k16 / p16: emit16 writes
+        # them out (widen16 first where they are sorted).
+        lo_raw = T.cast(lo, raw_t)
+        # positions as int16, offset by 2^15 (the order of p is that of p - 2^15), compared in 16-bit lanes
+        lim_p = T.cast(T.min(lim, SHORT_MAX - 1) - 32768, raw_t)
+        w = T.cast(0, "int32")
+        ngrp = length // 32
+        p0 = T.cast(-32768, raw_t)
+        for g in T.serial(ngrp):
+            # groups of 32: the positions are a 16-bit base (carried, not g * 32 - 2^15: gcc made that the 32-bit
+            # j again) plus constant lanes; narrowing a 32-bit j took a permute of two vectors per group
+            for l in T.serial(32):
+                kv = b.rk[g * 32 + l]
+                p = p0 + T.cast(l, raw_t)
+                if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
+                    b.k16[w] = kv
+                    b.p16[w] = p
+                    w = w + 1
+            p0 = p0 + T.cast(32, raw_t)
+        for j in T.serial(ngrp * 32, length):
+            kv = b.rk[j]
+            p = T.cast(j - 32768, raw_t)
+            if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
+                b.k16[w] = kv
+                b.p16[w] = p
+                w = w + 1
+        b.st[0] = w
+
+    @T.macro
+    def widen16(b):
+        """short_row's st[0] kept keys and positions (k16, p16) as the candidates (ck, ci)."""
+        for i in T.Parallel(b.st[0]):
+            b.ck[i] = T.cast(b.k16[i], "int32")
+            b.ci[i] = T.cast(b.p16[i], "int32") + 32768
+
+    @T.macro
+    def emit16(b, r, k, off, Vals, Idx, idx_fill, val_fill, idx_dtype):
+        """emit for short_row's st[0] (<= k) kept keys and positions in index order, from their 16-bit copies
+        (k16, p16): no pass widening them to the candidates first (b1 8K k2048 kernel -6%)."""
+        cnt = b.st[0]
+        for i in T.Parallel(k):
+            if i < cnt:
+                Idx[r, i] = T.cast(T.cast(b.p16[i], "int32") + (off + 32768), idx_dtype)
+                Vals[r, i] = key_raw(b.k16[i])
+            else:
+                Idx[r, i] = T.cast(idx_fill, idx_dtype)
+                Vals[r, i] = T.cast(val_fill, raw_t)
+
+    @T.macro
+    def nth_equal(b, src, row, length, kv, nth):
+        """The position of the nth (1-based) key equal to kv in src[row, :length] (which holds at least nth):
+        one bit mask per SUB16 keys compared in their own width (a ballot) and its popcount per step, the word
+        that holds it walked; chunks after it are skipped. Whole chunks are read from short_row's keys (b.rk)."""
+        kr = T.cast(kv, raw_t)
+        left = nth
+        pos = T.cast(length - 1, "int32")
+        nfull = length // CHUNK
+        for c in T.serial(nfull):
+            if left > 0:
+                for s, j in T.Parallel(CHUNK // SUB16, SUB16):
+                    b.fb16[s, j] = T.cast(b.rk[c * CHUNK + s * SUB16 + j] == kr, "uint64") << T.cast(j, "uint64")
+                T.reduce_sum(b.fb16, b.masks16, dim=1)
+                left, pos = nth_in_words(b.masks16, CHUNK // SUB16, SUB16, c * CHUNK, left, pos)
+        for j in T.serial(length - nfull * CHUNK):
+            if left > 0:
+                if key_of(src[row, nfull * CHUNK + j]) == kv:
+                    left = left - 1
+                    if left == 0:
+                        pos = nfull * CHUNK + j
+        return pos
+
+    return short_row, widen16, emit16
