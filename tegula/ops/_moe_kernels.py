@@ -64,6 +64,13 @@ def topk_gate(E, K, BM=2):
     return topk_gate
 
 
+def _grid(n, serial):
+    """(grid, blocks per grid block) of a kernel over n blocks: n x 1, or with ``serial`` 1 x n (one block walks
+    them all in turn: no OpenMP region, whose wake-up of sleeping threads costs tens to hundreds of microseconds
+    on small inputs). The block's number is then grid index + walk index."""
+    return (1, n) if serial else (n, 1)
+
+
 def _ordered_sum(W, r, K):
     """1e-20 + W[r, 0] + ... + W[r, K - 1], added left to right: one expression (the loop over K unrolled here)."""
     s = W[r, 0] + 1e-20
@@ -95,19 +102,14 @@ def normalize_weight(K, BM=256, serial=False):
                 N[r0 + i, k] = W[r0 + i, k] / d[i]
         T.copy(d, D[r0])
 
-    if serial:
-        @T.prim_func
-        def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
-                             N: T.Tensor((NT, K), "float32")):
-            with T.Kernel(1) as _b:
-                for by in T.serial(T.ceildiv(NT, BM)):
-                    rows(W, D, N, by)
-    else:
-        @T.prim_func
-        def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
-                             N: T.Tensor((NT, K), "float32")):
-            with T.Kernel(T.ceildiv(NT, BM)) as by:
-                rows(W, D, N, by)
+    grid, walk = _grid(T.ceildiv(NT, BM), serial)
+
+    @T.prim_func
+    def normalize_weight(W: T.Tensor((NT, K), "float32"), D: T.Tensor((NT,), "float32"),
+                         N: T.Tensor((NT, K), "float32")):
+        with T.Kernel(grid) as b0:
+            for w in T.serial(walk):
+                rows(W, D, N, b0 + w)
     return normalize_weight
 
 
@@ -248,13 +250,6 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
 
 
 # token <-> per-expert contiguous layout ------------------------------------------------------------------------
-
-def _grid(n, serial):
-    """(grid, blocks per grid block) of a kernel over n blocks: n x 1, or with ``serial`` 1 x n (one block walks
-    them all in turn: no OpenMP region, whose wake-up of sleeping threads costs tens to hundreds of microseconds
-    on small inputs). The block's number is then grid index + walk index."""
-    return (1, n) if serial else (n, 1)
-
 
 def expert_histogram(E, CH=4096, serial=False):
     """Counts of each expert among CH consecutive entries of the flat top-k index: Hst (num_chunks, E); Bad[c]:
