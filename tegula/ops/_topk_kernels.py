@@ -103,6 +103,8 @@ def _state(raw, short=False):
         b.p16 = T.alloc_fragment((KMAX,), "int16")
         if short:   # the keys of a short row, padded with KEY_MIN to whole chunks, and a sample of them
             b.rk = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")
+            b.bk = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")   # the keys in its bracket and their positions
+            b.bp = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")
             b.smp = T.alloc_fragment((SAMPLE,), "int16")
     return b
 

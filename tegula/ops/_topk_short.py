@@ -1,8 +1,8 @@
 """short_row, the exact top k of a short 16-bit row with k >= n / 8 (part of ``_topk_kernels``' macros, split out
-of that module for size): the row's keys are loaded once, the k-th largest key is found by counting passes
-(bracketed first by two ranks searched on a sample), and the keys above it, then the first ties, are kept by
-compressing stores of 16-bit keys and positions (k16 / p16), which emit16 writes out in index order or widen16
-turns into candidates."""
+of that module for size): the row's keys are loaded once, those above the lower of two ranks searched on a
+sample are kept with their positions (bk / bp), the k-th largest key is found by counting passes over those,
+and the keys above it, then the first ties, are kept by compressing stores of 16-bit keys and positions (k16 /
+p16), which emit16 writes out in index order or widen16 turns into candidates."""
 from __future__ import annotations
 
 import tegula.language as T
@@ -42,11 +42,11 @@ def short_macros(m):
         return nch
 
     @T.macro
-    def count_keys(b, nch, length, t):
-        """How many of the keys of the row (in the first nch CHUNKs of b.rk) are >= t, counted per lane in 16 bits
-        (vectorised; the padding is taken off where t <= KEY_MIN)."""
+    def count_keys(b, keys, nch, length, t):
+        """How many of the length keys in keys (padded with KEY_MIN to nch CHUNKs: b.rk or b.bk) are >= t,
+        counted per lane in 16 bits (vectorised; the padding is taken off where t <= KEY_MIN)."""
         tr = T.cast(T.max(t, KEY_MIN), raw_t)
-        lane_count(b, b.rk, b.lcnt, nch, tr, raw_t)
+        lane_count(b, keys, b.lcnt, nch, tr, raw_t)
         return b.ext[0] - T.cast(t <= KEY_MIN, "int32") * (nch * CHUNK - length)
 
     @T.macro
@@ -64,17 +64,19 @@ def short_macros(m):
 
     @T.macro
     def key_count(args, t):
-        """search_kth's count for short_row: keys of the row >= t (args = (b, nch, length))."""
-        return count_keys(args[0], args[1], args[2], t)
+        """search_kth's count for short_row: the bracket's keys (b.bk) >= t (args = (b, nch, length))."""
+        return count_keys(args[0], args[0].bk, args[1], args[2], t)
 
     @T.macro
     def short_row(b, src, row, length, k):
         """The top k of src[row, :length] for k < length <= SHORT_MAX and 16-bit keys, into the candidates in
-        index order. The row's keys are made once (b.rk); the k-th largest key itself is found first, by
-        searching the key range for the point where the count of keys >= it falls below k: each count is one
-        vectorised pass over the keys, the search starts between two ranks of a sample and steps by
-        interpolation of the counts alternating with bisection. One more pass (compressing stores) then keeps
-        the keys above it and the first ones equal to it: no candidate buffer, no select."""
+        index order. The row's keys are made once (b.rk); two ranks of a sample bracket the k-th largest key,
+        and one pass (compressing stores) keeps the keys >= the lower one with their positions (bk / bp: about
+        a third of the row at k / n = 1/4). The k-th largest key itself is found there, by searching the key
+        range for the point where the count of keys >= it falls below k: each count is one vectorised pass over
+        the kept keys (not the row: b1 8K k2048 kernel 3.85 -> 3.11 us), stepping by interpolation of the counts
+        alternating with bisection. One more pass then keeps the keys above it and the first ones equal to it:
+        no select."""
         nch = load_keys(b, src, row, length)
         mu = T.cast(SAMPLE * k, "float32") / T.cast(length, "float32")
         stride = length // SAMPLE
@@ -99,64 +101,85 @@ def short_macros(m):
                               sample_count, (b,), "int32")
         hi, _, _ = search_kth(lo, smax + 1, SAMPLE, 0, T.cast(T.max(mu - 3.0 * T.sqrt(mu) - 2.0, 1.0), "int32"),
                               sample_count, (b,), "int32")
-        # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst
-        c_hi = count_keys(b, nch, length, hi)
-        c_lo = T.cast(length, "int32")
+        # the keys >= lo (and their positions) in one pass, into bk / bp; where fewer than k pass (the sample
+        # misled), every key: the k-th is then below lo
+        flo = lo
+        m = T.cast(0, "int32")
+        for attempt in T.serial(2):
+            if (attempt == 0) | (m < k):
+                m = bracket_keys(b, nch, length, flo)
+                if m < k:
+                    hi = lo
+                    lo = KEY_MIN
+                    flo = KEY_MIN
+        mch = (m + CHUNK - 1) // CHUNK
+        # invariant: count(>= lo) = c_lo >= k > count(>= hi) = c_hi, with KEY_END (no key) as hi at worst,
+        # counted over the m keys in bk
+        c_lo = m
+        c_hi = count_keys(b, b.bk, mch, m, hi)
         if c_hi >= k:
             lo = hi
             c_lo = c_hi
             hi = KEY_END
             c_hi = 0
-        else:
-            c = count_keys(b, nch, length, lo)
-            if c >= k:
-                c_lo = c
-            else:
-                hi = lo
-                c_hi = c
-                lo = KEY_MIN
-        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, key_count, (b, nch, length), "int32")
-        keep_dense(b, src, row, length, k, lo, c_lo, c_hi)
+        lo, c_lo, c_hi = search_kth(lo, hi, c_lo, c_hi, k, key_count, (b, mch, m), "int32")
+        keep_dense(b, m, mch, k, lo, c_lo, c_hi)
 
     @T.macro
-    def keep_dense(b, src, row, length, k, lo, c_lo, c_hi):
-        """short_row's last pass: the keys of the row (b.rk, length of them) above lo, the k-th largest key, and
-        the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo), in index order, into the
-        candidates."""
-        # lo is the k-th largest key: keep all keys above it and the first `need` equal to it, those up to
-        # position lim (the whole row when every key equal to lo is kept)
-        need = k - c_hi
-        lim = length
-        if need < c_lo - c_hi:
-            lim = nth_equal(b, src, row, length, lo, need)
-        # one loop in the compress form over 16-bit keys and positions (length <= SHORT_MAX = 2^16): the c
-        # target appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a
-        # branch and a mispredict per kept key (an eighth of the row or more). Left in k16 / p16: emit16 writes
-        # them out (widen16 first where they are sorted).
-        lo_raw = T.cast(lo, raw_t)
-        # positions as int16, offset by 2^15 (the order of p is that of p - 2^15), compared in 16-bit lanes
-        lim_p = T.cast(T.min(lim, SHORT_MAX - 1) - 32768, raw_t)
+    def bracket_keys(b, nch, length, t):
+        """The keys of the row (b.rk, nch CHUNKs, length of them) >= t and their positions - 2^15, in index
+        order, into bk / bp (compressing stores), bk padded with KEY_MIN to whole CHUNKs; returns their count.
+        Every key passes where t is KEY_MIN: the padding then follows the row's keys and is not counted."""
+        tr = T.cast(t, raw_t)
         w = T.cast(0, "int32")
-        ngrp = length // 32
         p0 = T.cast(-32768, raw_t)
-        for g in T.serial(ngrp):
-            # groups of 32: the positions are a 16-bit base (carried, not g * 32 - 2^15: gcc made that the 32-bit
-            # j again) plus constant lanes; narrowing a 32-bit j took a permute of two vectors per group
+        for g in T.serial(nch * (CHUNK // 32)):
+            # groups of 32 on a carried 16-bit position base, as keep_dense
             for l in T.serial(32):
                 kv = b.rk[g * 32 + l]
                 p = p0 + T.cast(l, raw_t)
-                if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
-                    b.k16[w] = kv
-                    b.p16[w] = p
+                if kv >= tr:
+                    b.bk[w] = kv
+                    b.bp[w] = p
                     w = w + 1
             p0 = p0 + T.cast(32, raw_t)
-        for j in T.serial(ngrp * 32, length):
-            kv = b.rk[j]
-            p = T.cast(j - 32768, raw_t)
-            if (kv > lo_raw) | ((kv == lo_raw) & (p <= lim_p)):
-                b.k16[w] = kv
-                b.p16[w] = p
-                w = w + 1
+        m = T.min(w, length)
+        for j in T.Parallel(CHUNK):
+            b.bk[m + j] = T.cast(KEY_MIN, raw_t)
+        return m
+
+    @T.macro
+    def keep_dense(b, m, mch, k, lo, c_lo, c_hi):
+        """short_row's last pass: of the m keys in bk (padded to mch CHUNKs; positions in bp), those above lo, the
+        k-th largest key, and the first k - c_hi equal to it (c_lo, c_hi: the counts of keys >= lo, > lo), in
+        index order, into k16 / p16."""
+        # keep all keys above lo and the first `need` equal to it, those up to place lim of bk (all of them
+        # when every key equal to lo is kept)
+        need = k - c_hi
+        lim = m - 1
+        if need < c_lo - c_hi:
+            lim = nth_equal(b, mch, lo, need)
+        # one loop in the compress form over 16-bit keys and positions (m <= SHORT_MAX = 2^16): the c target
+        # appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a branch and
+        # a mispredict per kept key. Left in k16 / p16: emit16 writes them out (widen16 first where sorted).
+        lo_raw = T.cast(lo, raw_t)
+        # places in bk as int16, offset by 2^15 (the order of q is that of q - 2^15), compared in 16-bit lanes;
+        # the padding past m never passes (lim < m)
+        lim_q = T.cast(lim - 32768, raw_t)
+        w = T.cast(0, "int32")
+        q0 = T.cast(-32768, raw_t)
+        for g in T.serial((m + 31) // 32):
+            # groups of 32: the places are a 16-bit base (carried, not g * 32 - 2^15: gcc made that the 32-bit
+            # j again) plus constant lanes; narrowing a 32-bit j took a permute of two vectors per group
+            for l in T.serial(32):
+                kv = b.bk[g * 32 + l]
+                pv = b.bp[g * 32 + l]   # (a local: the compress form computes its stored values for every key)
+                q = q0 + T.cast(l, raw_t)
+                if (kv > lo_raw) | ((kv == lo_raw) & (q <= lim_q)):
+                    b.k16[w] = kv
+                    b.p16[w] = pv
+                    w = w + 1
+            q0 = q0 + T.cast(32, raw_t)
         b.st[0] = w
 
     @T.macro
@@ -180,26 +203,19 @@ def short_macros(m):
                 Vals[r, i] = T.cast(val_fill, raw_t)
 
     @T.macro
-    def nth_equal(b, src, row, length, kv, nth):
-        """The position of the nth (1-based) key equal to kv in src[row, :length] (which holds at least nth):
-        one bit mask per SUB16 keys compared in their own width (a ballot) and its popcount per step, the word
-        that holds it walked; chunks after it are skipped. Whole chunks are read from short_row's keys (b.rk)."""
+    def nth_equal(b, nch, kv, nth):
+        """The place of the nth (1-based) key equal to kv in bk (nch CHUNKs, which hold at least nth before the
+        padding): one bit mask per SUB16 keys compared in their own width (a ballot) and its popcount per step,
+        the word that holds it walked; chunks after it are skipped."""
         kr = T.cast(kv, raw_t)
         left = nth
-        pos = T.cast(length - 1, "int32")
-        nfull = length // CHUNK
-        for c in T.serial(nfull):
+        pos = T.cast(nch * CHUNK - 1, "int32")
+        for c in T.serial(nch):
             if left > 0:
                 for s, j in T.Parallel(CHUNK // SUB16, SUB16):
-                    b.fb16[s, j] = T.cast(b.rk[c * CHUNK + s * SUB16 + j] == kr, "uint64") << T.cast(j, "uint64")
+                    b.fb16[s, j] = T.cast(b.bk[c * CHUNK + s * SUB16 + j] == kr, "uint64") << T.cast(j, "uint64")
                 T.reduce_sum(b.fb16, b.masks16, dim=1)
                 left, pos = nth_in_words(b.masks16, CHUNK // SUB16, SUB16, c * CHUNK, left, pos)
-        for j in T.serial(length - nfull * CHUNK):
-            if left > 0:
-                if key_of(src[row, nfull * CHUNK + j]) == kv:
-                    left = left - 1
-                    if left == 0:
-                        pos = nfull * CHUNK + j
         return pos
 
     return short_row, widen16, emit16

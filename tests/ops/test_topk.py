@@ -206,6 +206,24 @@ def test_end_fill_offset(dtype, idx_type):
     check(x, k, v, i, end=end, by_value=True)
 
 
+def test_short_rows_rescan_when_the_sample_misleads():
+    # short_row (16-bit rows, k >= n / 8) keeps the keys above a sampled lower end of the k-th key's range before
+    # counting; its sample is 64 runs of 8 adjacent keys, 128 apart at n = 8192: 512 large keys placed on exactly
+    # those runs fill it but are fewer than k, so fewer than k keys pass and every key is taken again (row 1:
+    # the others tied, the k-th key's ties kept from the row's start)
+    n, k = 8192, 2048
+    x = torch.randn(2, n) * 0.01
+    x[1] = 0.0
+    for g in range(64):
+        x[:, g * 128:g * 128 + 8] = 10.0 + torch.rand(2, 8)
+    x = x.to(BF16)
+    for by_value in (False, True):
+        v, i = topk(x, k, sorted=by_value)
+        check(x, k, v, i, by_value=by_value)
+    zeros = (x[1] == 0).nonzero().flatten()
+    assert torch.equal(i[1][v[1] == 0].sort().values, zeros[:k - 512])
+
+
 @pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64)])
 def test_short_rows_offsets_and_orders(dtype, idx_type):
     # k >= n / 8 on 16-bit rows of 2048..65536: short_row keeps the top k (written out from its 16-bit copies
