@@ -16,6 +16,7 @@ lanes folded pairwise (l + 16 into l, then 8, 4, 2, 1). One compiled kernel serv
 from __future__ import annotations
 
 import tegula.language as T
+from tegula.ops import _bf16_pairs as P
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import (
     CLAMP_MIN,
@@ -195,6 +196,143 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
     return rmsnorm_cast
 
 
+@T.macro
+def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part):
+    """_rstd of a bfloat16 X read as uint32 words (_bf16_pairs; H2 words a row): lane l of the module docstring's
+    32 is half l % 2 of word lane l // 2 (acc2[i, l % 2, l // 2]), so each lane sums the same columns in the same
+    order and the fold is _rstd's."""
+    T.fill(acc2, 0.0)
+    for c in T.serial(T.ceildiv(H2, W2)):
+        if c * W2 + (W2 - 1) < H2:
+            for cc in T.serial(W2 // 16):
+                for i, l in T.Parallel(BM, 16):
+                    w = X[r0 + i, c * W2 + cc * 16 + l]
+                    acc2[i, 0, l] = acc2[i, 0, l] + P.even(w) * P.even(w)
+                    acc2[i, 1, l] = acc2[i, 1, l] + P.odd(w) * P.odd(w)
+        else:
+            T.copy(X[r0, c * W2], part)  # zeros past the row's end
+            for cc in T.serial(W2 // 16):
+                for i, l in T.Parallel(BM, 16):
+                    w = part[i, cc * 16 + l]
+                    acc2[i, 0, l] = acc2[i, 0, l] + P.even(w) * P.even(w)
+                    acc2[i, 1, l] = acc2[i, 1, l] + P.odd(w) * P.odd(w)
+    for i, lane in T.Parallel(BM, LANES):
+        acc[i, lane] = acc2[i, lane % 2, lane // 2]
+    for step in T.unroll(5):
+        half = 16 >> step
+        for i, lane in T.Parallel(BM, 16):
+            if lane < half:
+                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
+    for i in T.Parallel(BM):
+        rstd[i] = 1.0 / T.sqrt(acc[i, 0] / T.cast(H2 * 2, "float32") + eps)
+
+
+@T.macro
+def _e4m3_pair_finite(ve, vo):
+    """The e4m3 codes of finite float32 ve, vo (|v| < 464) as one uint16, ve's in the low byte (the combining of
+    _bf16_pairs.e4m3_pair_finite, on values instead of a word's elements)."""
+    se = P.e4m3_sum(ve)
+    so = P.e4m3_sum(vo)
+    c = ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
+    return T.cast(c | ((T.reinterpret(ve, "uint32") >> 24) & 0x80) | ((T.reinterpret(vo, "uint32") >> 16) & 0x8000),
+                  "uint16")
+
+
+@T.macro
+def _pair_products(X, Wt, xr, xc, wc, rstd, xe, xo, ab, BM, GB, GH):
+    """xe / xo = the even / odd elements of X's words times the weight's times rstd; ab = the larger magnitude of
+    the two as float32 bits (an integer max: NaN above inf)."""
+    for i, g, k in T.Parallel(BM, GB, GH):
+        w = X[xr + i, xc + g * GH + k]
+        ww = Wt[wc + g * GH + k]
+        ve = P.even(w) * P.even(ww) * rstd[i]
+        vo = P.odd(w) * P.odd(ww) * rstd[i]
+        xe[i, g, k] = ve
+        xo[i, g, k] = vo
+        ab[i, g, k] = T.max(T.reinterpret(ve, "uint32") & 0x7FFFFFFF, T.reinterpret(vo, "uint32") & 0x7FFFFFFF)
+
+
+def rmsnorm_cast_pairs_kernel(G, W=1024, BM=1):
+    """rmsnorm_cast_kernel for bfloat16 x and weight, fmt e4m3 and G in (16, 32, 64, 128), on the rows read as
+    uint32 words (_bf16_pairs: each element widened by one op, no shuffles) and Q written as uint16 pairs of codes.
+    A chunk's amax is an integer max of the products' magnitude bits; where it is finite (no NaN nor inf in the
+    chunk) it is the float amax and the cast needs no NaN select; else T.reduce_absmax's (NaN ignored) and the full
+    cast. Same bits as rmsnorm_cast_kernel. 1 thread CPU time, 18688 x 7168, /128, alternated with it in one
+    process: 52.5 -> 47.2 ms (1.42 -> 1.28 cycles/value)."""
+    NT, H2, XST = T.dynamic("num_tokens"), T.dynamic("hidden2"), T.dynamic("x_stride2")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    maxv, cmin = FMT_MAX["e4m3"], CLAMP_MIN["e4m3"]
+    GB, GH, W2 = W // G, G // 2, W // 2
+
+    @T.prim_func
+    def rmsnorm_cast_pairs(X: T.StridedTensor((NT, H2), (XST, 1), "uint32"), Wt: T.Tensor((H2,), "uint32"),
+                           Q: T.Tensor((NT, H2), "uint16"), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
+                           eps: T.float32, flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, BM)) as by:
+            r0 = by * BM
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            acc2 = T.alloc_fragment((BM, 2, 16), "float32")
+            acc = T.alloc_fragment((BM, LANES), "float32")
+            rstd = T.alloc_fragment((BM,), "float32")
+            xe = T.alloc_fragment((BM, GB, GH), "float32")
+            xo = T.alloc_fragment((BM, GB, GH), "float32")
+            ab = T.alloc_fragment((BM, GB, GH), "uint32")
+            amb = T.alloc_fragment((BM, GB), "uint32")
+            topb = T.alloc_fragment((1,), "uint32")
+            amax = T.alloc_fragment((BM, GB), "float32")
+            am2 = T.alloc_fragment((BM, GB), "float32")
+            top = T.alloc_fragment((1,), "float32")
+            inv = T.alloc_fragment((BM, GB), "float32")
+            word = T.alloc_fragment((BM, GB), "int32")
+            eb = T.alloc_fragment((BM, GB), "int32")
+            xs = T.alloc_fragment((BM, W2), "uint32")
+            ws = T.alloc_fragment((W2,), "uint32")
+            q = T.alloc_fragment((BM, GB, GH), "uint16")
+            _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs)
+            for c in T.serial(T.ceildiv(H2, W2)):
+                whole = c * W2 + (W2 - 1) < H2 and r0 + (BM - 1) < NT
+                if whole:
+                    _pair_products(X, Wt, r0, c * W2, c * W2, rstd, xe, xo, ab, BM, GB, GH)
+                else:  # staged: zeros past the row's end
+                    T.copy(X[r0, c * W2], xs)
+                    T.copy(Wt[c * W2], ws)
+                    _pair_products(xs, ws, 0, 0, 0, rstd, xe, xo, ab, BM, GB, GH)
+                T.reduce_max(ab, amb, dim=2)
+                T.reduce_max(T.reshape(amb, (1, BM * GB)), topb, dim=1)
+                finite = topb[0] < 0x7F800000
+                if finite:
+                    for i, g in T.Parallel(BM, GB):
+                        amax[i, g] = T.reinterpret(amb[i, g], "float32")
+                else:
+                    T.reduce_absmax(xe, amax, dim=2)
+                    T.reduce_absmax(xo, am2, dim=2)
+                    for i, g in T.Parallel(BM, GB):
+                        amax[i, g] = T.if_then_else(am2[i, g] > amax[i, g], am2[i, g], amax[i, g])
+                    T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
+                for i, g in T.Parallel(BM, GB):
+                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+                    word[i, g] = w_
+                    inv[i, g] = v_
+                    eb[i, g] = e_
+                store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H2 * 2, G), packed, BM, GB)
+                if finite and whole:
+                    for i, g, k in T.Parallel(BM, GB, GH):
+                        Q[r0 + i, c * W2 + g * GH + k] = _e4m3_pair_finite(xe[i, g, k] * inv[i, g],
+                                                                           xo[i, g, k] * inv[i, g])
+                else:
+                    if finite or (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):
+                        for i, g, k in T.Parallel(BM, GB, GH):  # within 448 (1 + 2^-22) or NaN
+                            q[i, g, k] = P.e4m3_pair(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
+                    else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
+                        for i, g, k in T.Parallel(BM, GB, GH):
+                            lo = T.reinterpret(T.cast(xe[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
+                            hi = T.reinterpret(T.cast(xo[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
+                            q[i, g, k] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
+                    T.copy(T.reshape(q, (BM, W2)), Q[r0, c * W2])
+    return rmsnorm_cast_pairs
+
+
 def _check(x, weight, eps):
     t = _tk.torch()
     dts = (t.float32, t.bfloat16, t.float16)
@@ -225,6 +363,14 @@ def _groups(num_tokens: int) -> int:
     return 32 if num_tokens >= 4 * 32 * 8 * _tk.threads() else 8
 
 
+def _pairs(x, weight) -> bool:
+    """Whether x and weight can be read as uint32 words of two bfloat16 (_bf16_pairs): both bfloat16, even columns
+    and row stride, 4-byte-aligned starts (x's last stride is 1: _check)."""
+    t = _tk.torch()
+    return (x.dtype == t.bfloat16 and weight.dtype == t.bfloat16 and x.shape[1] % 2 == 0
+            and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and weight.data_ptr() % 4 == 0)
+
+
 def rmsnorm_forward_and_per_token_cast(x, weight, eps: float = 1e-6, fmt: str = "e4m3", num_per_channels: int = 128,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False):
@@ -244,7 +390,11 @@ def rmsnorm_forward_and_per_token_cast(x, weight, eps: float = 1e-6, fmt: str = 
     out, out_k = _out(num_tokens, hidden, fmt)
     sf_user, sf_k = _tk.alloc_sf(num_tokens, 1 if row else ceil_div(hidden, G), use_tma_aligned_col_major_sf,
                                  use_packed_ue8m0)
-    if num_tokens > 0 and hidden > 0:
+    if num_tokens > 0 and hidden > 0 and not row and fmt == "e4m3" and _pairs(x, weight):
+        t = _tk.torch()
+        k = _tk.kernel(rmsnorm_cast_pairs_kernel, G)
+        k(x.view(t.uint32), weight.view(t.uint32), out_k.view(t.uint16), sf_k, eps, flags)
+    elif num_tokens > 0 and hidden > 0:
         k = _tk.kernel(rmsnorm_cast_kernel, _DT[str(x.dtype)], _DT[str(weight.dtype)], fmt, 0 if row else G)
         k(x, weight, out_k, sf_k, eps, flags)
     return out, sf_user

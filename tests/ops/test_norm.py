@@ -127,6 +127,38 @@ def test_rmsnorm_forward_and_per_token_cast_infinities(target, g, round_sf):
         assert int(q.view(torch.uint8)[1, 0]) & 0x7F in (0x7E, 0x00)  # +-448 or a zero: saturated, not wrapped
 
 
+@pytest.mark.parametrize("g,opts", [(128, {}), (16, dict(round_sf=True)), (64, dict(
+    use_packed_ue8m0=True, round_sf=True, use_tma_aligned_col_major_sf=True))])
+def test_rmsnorm_cast_pairs_match_the_element_path(target, monkeypatch, g, opts):
+    """bfloat16 rows read as uint32 words (norm._pairs) give the bits of the element-wise kernel: NaN, +-inf and
+    overflowing products (chunks that leave the integer amax), subnormal products, a partial last chunk (hidden
+    1600 = 1024 + 576), rows with a row stride; a view at an odd element offset takes the element path."""
+    n, h = (9 if target == "c" else 4), 1600
+    base = torch.randn(n, h + 2).bfloat16()
+    x = base[:, 2:]  # row stride h + 2, start 4-byte aligned
+    w = torch.randn(h).bfloat16()
+    w[7::97] = 3e-39
+    w[5] = 1e38
+    x[1, 5], x[2, 1100], x[3, 0] = 1e19, float("inf"), float("nan")
+    x[0, 300], x[0, 301] = -float("inf"), 1.0
+    assert norm._pairs(x, w) and not norm._pairs(base[:, 1:h + 1], w)
+    got = norm.rmsnorm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", g, **opts)
+    monkeypatch.setattr(norm, "_pairs", lambda x, weight: False)
+    want = norm.rmsnorm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", g, **opts)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
+    monkeypatch.undo()
+    odd = base[:, 1:h + 1]
+    y = rmsnorm_ref(odd, w, 1e-6)
+    q, s = norm.rmsnorm_forward_and_per_token_cast(odd, w, 1e-6, "e4m3", g, **opts)
+    rq, rs = ref_cast(y, "e4m3", (1, g), round_sf=opts.get("round_sf", False),
+                      col_major=opts.get("use_tma_aligned_col_major_sf", False),
+                      packed=opts.get("use_packed_ue8m0", False))
+    keep = torch.isfinite(y).all(1)
+    assert_equal(s[keep], rs[keep])
+    assert_equal(q[keep], rq[keep])
+
+
 def test_bad_input_names_the_argument():
     x, w = torch.randn(4, 64), torch.randn(64)
     for fn, exc, name in [
