@@ -228,7 +228,7 @@ def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part):
 
 
 @T.macro
-def _e4m3_pair_finite(ve, vo):
+def e4m3_pair_of(ve, vo):
     """The e4m3 codes of finite float32 ve, vo (|v| < 464) as one uint16, ve's in the low byte (the combining of
     _bf16_pairs.e4m3_pair_finite, on values instead of a word's elements)."""
     se = P.e4m3_sum(ve)
@@ -236,6 +236,12 @@ def _e4m3_pair_finite(ve, vo):
     c = ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
     return T.cast(c | ((T.reinterpret(ve, "uint32") >> 24) & 0x80) | ((T.reinterpret(vo, "uint32") >> 16) & 0x8000),
                   "uint16")
+
+
+@T.macro
+def mag_max(ve, vo):
+    """The larger of |ve| and |vo| as float32 bits (an integer max: NaN above inf)."""
+    return T.max(T.reinterpret(ve, "uint32") & 0x7FFFFFFF, T.reinterpret(vo, "uint32") & 0x7FFFFFFF)
 
 
 @T.macro
@@ -249,7 +255,57 @@ def _pair_products(X, Wt, xr, xc, wc, rstd, xe, xo, ab, BM, GB, GH):
         vo = P.odd(w) * P.odd(ww) * rstd[i]
         xe[i, g, k] = ve
         xo[i, g, k] = vo
-        ab[i, g, k] = T.max(T.reinterpret(ve, "uint32") & 0x7FFFFFFF, T.reinterpret(vo, "uint32") & 0x7FFFFFFF)
+        ab[i, g, k] = mag_max(ve, vo)
+
+
+@T.macro
+def pair_cast(Q, S, xe, xo, ab, r0, q0, g0, NT, ngroups, whole, maxv, cmin, flags, BM, GB, GH):
+    """The per-group cast of the values xe / xo (the even / odd elements of GB groups of 2 GH, ab their larger
+    magnitude's bits) into Q's uint16 code pairs at Q[r0, q0] and their scales at group g0 (as _quant_kernels'
+    per_token_cast, the same bits). The amax is ab's integer max where that is finite (no NaN nor inf among the
+    values: then the cast needs no NaN select), else T.reduce_absmax's (NaN ignored) and the full cast; whole: the
+    tile lies inside Q (else it is stored through a tile)."""
+    rnd = (flags & ROUND_SF) != 0
+    amb = T.alloc_fragment((BM, GB), "uint32")
+    topb = T.alloc_fragment((1,), "uint32")
+    amax = T.alloc_fragment((BM, GB), "float32")
+    am2 = T.alloc_fragment((BM, GB), "float32")
+    top = T.alloc_fragment((1,), "float32")
+    inv = T.alloc_fragment((BM, GB), "float32")
+    word = T.alloc_fragment((BM, GB), "int32")
+    eb = T.alloc_fragment((BM, GB), "int32")
+    T.reduce_max(ab, amb, dim=2)
+    T.reduce_max(T.reshape(amb, (1, BM * GB)), topb, dim=1)
+    finite = topb[0] < 0x7F800000
+    if finite:
+        for i, g in T.Parallel(BM, GB):
+            amax[i, g] = T.reinterpret(amb[i, g], "float32")
+    else:
+        T.reduce_absmax(xe, amax, dim=2)
+        T.reduce_absmax(xo, am2, dim=2)
+        for i, g in T.Parallel(BM, GB):
+            amax[i, g] = T.if_then_else(am2[i, g] > amax[i, g], am2[i, g], amax[i, g])
+        T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
+    for i, g in T.Parallel(BM, GB):
+        w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+        word[i, g] = w_
+        inv[i, g] = v_
+        eb[i, g] = e_
+    store_scales(S, word, eb, r0, g0, NT, ngroups, (flags & PACKED_SF) != 0, BM, GB)
+    if finite and whole:
+        for i, g, k in T.Parallel(BM, GB, GH):
+            Q[r0 + i, q0 + g * GH + k] = e4m3_pair_of(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
+    else:
+        q = T.alloc_fragment((BM, GB, GH), "uint16")
+        if finite or (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):
+            for i, g, k in T.Parallel(BM, GB, GH):  # within 448 (1 + 2^-22) or NaN
+                q[i, g, k] = P.e4m3_pair(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
+        else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
+            for i, g, k in T.Parallel(BM, GB, GH):
+                lo = T.reinterpret(T.cast(xe[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
+                hi = T.reinterpret(T.cast(xo[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
+                q[i, g, k] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
+        T.copy(T.reshape(q, (BM, GB * GH)), Q[r0, q0])
 
 
 def rmsnorm_cast_pairs_kernel(G, W=1024, BM=1):
@@ -270,25 +326,14 @@ def rmsnorm_cast_pairs_kernel(G, W=1024, BM=1):
                            eps: T.float32, flags: T.int32):
         with T.Kernel(T.ceildiv(NT, BM)) as by:
             r0 = by * BM
-            rnd = (flags & ROUND_SF) != 0
-            packed = (flags & PACKED_SF) != 0
             acc2 = T.alloc_fragment((BM, 2, 16), "float32")
             acc = T.alloc_fragment((BM, LANES), "float32")
             rstd = T.alloc_fragment((BM,), "float32")
             xe = T.alloc_fragment((BM, GB, GH), "float32")
             xo = T.alloc_fragment((BM, GB, GH), "float32")
             ab = T.alloc_fragment((BM, GB, GH), "uint32")
-            amb = T.alloc_fragment((BM, GB), "uint32")
-            topb = T.alloc_fragment((1,), "uint32")
-            amax = T.alloc_fragment((BM, GB), "float32")
-            am2 = T.alloc_fragment((BM, GB), "float32")
-            top = T.alloc_fragment((1,), "float32")
-            inv = T.alloc_fragment((BM, GB), "float32")
-            word = T.alloc_fragment((BM, GB), "int32")
-            eb = T.alloc_fragment((BM, GB), "int32")
             xs = T.alloc_fragment((BM, W2), "uint32")
             ws = T.alloc_fragment((W2,), "uint32")
-            q = T.alloc_fragment((BM, GB, GH), "uint16")
             _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs)
             for c in T.serial(T.ceildiv(H2, W2)):
                 whole = c * W2 + (W2 - 1) < H2 and r0 + (BM - 1) < NT
@@ -298,38 +343,8 @@ def rmsnorm_cast_pairs_kernel(G, W=1024, BM=1):
                     T.copy(X[r0, c * W2], xs)
                     T.copy(Wt[c * W2], ws)
                     _pair_products(xs, ws, 0, 0, 0, rstd, xe, xo, ab, BM, GB, GH)
-                T.reduce_max(ab, amb, dim=2)
-                T.reduce_max(T.reshape(amb, (1, BM * GB)), topb, dim=1)
-                finite = topb[0] < 0x7F800000
-                if finite:
-                    for i, g in T.Parallel(BM, GB):
-                        amax[i, g] = T.reinterpret(amb[i, g], "float32")
-                else:
-                    T.reduce_absmax(xe, amax, dim=2)
-                    T.reduce_absmax(xo, am2, dim=2)
-                    for i, g in T.Parallel(BM, GB):
-                        amax[i, g] = T.if_then_else(am2[i, g] > amax[i, g], am2[i, g], amax[i, g])
-                    T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
-                for i, g in T.Parallel(BM, GB):
-                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-                    word[i, g] = w_
-                    inv[i, g] = v_
-                    eb[i, g] = e_
-                store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H2 * 2, G), packed, BM, GB)
-                if finite and whole:
-                    for i, g, k in T.Parallel(BM, GB, GH):
-                        Q[r0 + i, c * W2 + g * GH + k] = _e4m3_pair_finite(xe[i, g, k] * inv[i, g],
-                                                                           xo[i, g, k] * inv[i, g])
-                else:
-                    if finite or (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):
-                        for i, g, k in T.Parallel(BM, GB, GH):  # within 448 (1 + 2^-22) or NaN
-                            q[i, g, k] = P.e4m3_pair(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
-                    else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
-                        for i, g, k in T.Parallel(BM, GB, GH):
-                            lo = T.reinterpret(T.cast(xe[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
-                            hi = T.reinterpret(T.cast(xo[i, g, k] * inv[i, g], "float8_e4m3fn"), "uint8")
-                            q[i, g, k] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
-                    T.copy(T.reshape(q, (BM, W2)), Q[r0, c * W2])
+                pair_cast(Q, S, xe, xo, ab, r0, c * W2, c * GB, NT, T.ceildiv(H2 * 2, G), whole, maxv, cmin, flags,
+                          BM, GB, GH)
     return rmsnorm_cast_pairs
 
 
