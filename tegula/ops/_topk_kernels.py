@@ -106,6 +106,8 @@ def _state(raw, short=False):
             b.bk = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")   # the keys in its bracket and their positions
             b.bp = T.alloc_shared((SHORT_MAX + CHUNK,), "int16")
             b.smp = T.alloc_fragment((SAMPLE,), "int16")
+            b.qc = T.alloc_fragment((3, 32), "int16")   # its counts against 3 keys per lane, and in all
+            b.qs = T.alloc_fragment((3,), "int32")
     return b
 
 
