@@ -259,21 +259,22 @@ def main(argv=None):
     H = 7168
     T_ = max(128, nbytes // 2 // H // 128 * 128)
     x = torch.randn(T_, H).bfloat16()
-    dummy = torch.zeros(1, 1, dtype=torch.int32)
     q8 = torch.empty(T_, H, dtype=torch.float8_e4m3fn)
     sf = torch.empty(T_, H // 128, dtype=torch.float32)
-    # the kernels quant.per_token_cast picks for this shape (block width: quant._width)
-    k = lazy(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, quant._width(H, 128))
-    bench("per_token_cast bf16->e4m3 /128", lambda: k(x, dummy, q8, sf.view(torch.int32), H, 0),
+    # the kernels quant.per_token_cast picks for this shape (bf16 read as words of two elements; block width:
+    # quant._width)
+    xw, q16 = x.view(torch.uint32), q8.view(torch.uint16)
+    k = lazy(QK.per_token_pairs, "e4m3", 128, quant._width(H, 128))
+    bench("per_token_cast bf16->e4m3 /128", lambda: k(xw, q16, sf.view(torch.int32), H, 0),
           lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
-    kp = lazy(QK.per_token_cast, "bfloat16", "e4m3", 128, "cast", (1, 1), False, quant._width(H, 512))
-    bench("per_token_cast ue8m0 packed", lambda: kp(x, dummy, q8, sfk, H, 3),
+    kp = lazy(QK.per_token_pairs, "e4m3", 128, quant._width(H, 512))
+    bench("per_token_cast ue8m0 packed", lambda: kp(xw, q16, sfk, H, 3),
           lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
-    k4 = lazy(QK.per_token_cast, "bfloat16", "e2m1", 32, "cast", (1, 1), False, quant._width(H, 128))
-    bench("per_token_cast bf16->e2m1 /32", lambda: k4(x, dummy, q4, sf32.view(torch.int32), H, 0),
+    k4 = lazy(QK.per_token_pairs, "e2m1", 32, quant._width(H, 128))
+    bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
     kb = lazy(QK.per_block_cast, "bfloat16", "e4m3", 128, 128, H, "cast")
@@ -299,8 +300,9 @@ def main(argv=None):
     krn = lazy(norm.rmsnorm_kernel, "bfloat16", "bfloat16")
     bench("rmsnorm bf16", lambda: krn(x, w, y, 1e-6), lambda: rmsnorm_ref(x, w), wrap(rmsnorm_ref, x, w),
           T_ * H * 4)
-    krc = lazy(norm.rmsnorm_cast_kernel, "bfloat16", "bfloat16", "e4m3", 128)
-    bench("rmsnorm+per_token_cast", lambda: krc(x, w, q8, sf.view(torch.int32), 1e-6, 0),
+    krc = lazy(norm.rmsnorm_cast_pairs_kernel, 128)  # what the op runs on bf16 x and weight (rows as uint32 words)
+    bench("rmsnorm+per_token_cast", lambda: krc(x.view(torch.uint32), w.view(torch.uint32),
+                                                q8.view(torch.uint16), sf.view(torch.int32), 1e-6, 0),
           lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w), T_ * H * 3 + sf.numel() * 4)
     y = None
 

@@ -36,6 +36,14 @@ def abs_max(w, m):
 
 
 @T.macro
+def abs_top(w):
+    """A uint32 whose high half is max(|even(w)|, |odd(w)|) as bf16 bits, an integer max (the float order, NaN above
+    inf), the low half garbage: the larger of the sign-cleared word and its low half shifted up."""
+    m = w & 0x7FFF7FFF
+    return T.max(m, m << 16)
+
+
+@T.macro
 def bf16_bits(v):
     """The bfloat16 rounding of float32 ``v`` (nearest even; a NaN gives 0x7fc0, as the prelude's conversion) in the
     high half of a uint32, the low half garbage."""
@@ -51,14 +59,22 @@ def bf16_pair(ve, vo):
 
 
 @T.macro
+def e4m3_sum(v):
+    """The rounded sum s of |v| whose low byte plus bits 20..27 is |v|'s e4m3 code (|v| < 464): |v| plus the float
+    2^20 e (e its binade, at least 2^-6, the subnormal codes sharing 2^-6's spacing) and 152 steps of that sum's
+    last place, which rounds |v| to nearest even at its code spacing in hardware."""
+    a = T.reinterpret(v, "uint32") & 0x7FFFFFFF
+    e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
+    return T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
+
+
+@T.macro
 def e4m3_top(v):
     """T.cast(v, "float8_e4m3fn")'s code in bits 24..31 of a uint32 (lower bits garbage) for |v| < 464 or NaN (no
-    saturation to 448): the rounding of _quant_kernels.e4m3_in_range."""
+    saturation to 448): bits 24..31 of (s << 24) + (s << 4) are the low byte of s + (s >> 20)."""
     x = T.reinterpret(v, "uint32")
-    a = x & 0x7FFFFFFF
-    e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
-    s = T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
-    u = T.if_then_else(a > 0x7F800000, T.cast(0x7F000000, "uint32"), (s << 24) + (s << 4))
+    s = e4m3_sum(v)
+    u = T.if_then_else((x & 0x7FFFFFFF) > 0x7F800000, T.cast(0x7F000000, "uint32"), (s << 24) + (s << 4))
     return u | (x & 0x80000000)
 
 
@@ -69,27 +85,13 @@ def e4m3_pair(ve, vo):
 
 
 @T.macro
-def abs_top(w):
-    """A uint32 whose high half is max(|even(w)|, |odd(w)|) as bf16 bits (an integer max: NaN above inf), the low
-    half garbage: the larger of the sign-cleared word and its low half shifted up."""
-    m = w & 0x7FFF7FFF
-    return T.max(m, m << 16)
-
-
-@T.macro
-def e4m3_sum(v):
-    """e4m3_top's rounded sum s (the code is the low byte of s + (s >> 20)) of |v|."""
-    a = T.reinterpret(v, "uint32") & 0x7FFFFFFF
-    e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
-    return T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
-
-
-@T.macro
 def e4m3_pair_finite(w, inv):
     """The e4m3 codes of even(w) * inv and odd(w) * inv (inv > 0, both products finite and below 464 in magnitude)
-    as one uint16, even's in the low byte. Built in the high half of a 32-bit lane: odd's code in bits 24..31 (its
-    sign is w's bit 31 in place), even's in bits 16..23 (its sign w's bit 15, shifted by 8)."""
+    as one uint16, even's in the low byte: the low byte of se + (se >> 20) and bits 8..15 of (so << 8) + (so >>
+    12), the signs w's bits 15 and 31 moved to 7 and 15. (The codes built in the high half instead, odd's sign in
+    place, took 4 more shifts per 64 values and ran 1.05x slower; gcc narrows these terms to 16-bit lanes one by
+    one, 6 permutes per 64 values, and is still faster.)"""
     so = e4m3_sum(odd(w) * inv)
     se = e4m3_sum(even(w) * inv)
-    c = (((so << 24) + (so << 4)) & 0x7F000000) | (((se << 16) + (se >> 4)) & 0x007F0000)
-    return T.cast((c | (w & 0x80000000) | ((w << 8) & 0x00800000)) >> 16, "uint16")
+    c = ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
+    return T.cast(c | ((w >> 8) & 0x80) | ((w >> 16) & 0x8000), "uint16")

@@ -62,6 +62,15 @@ def _width(hidden: int, unit: int) -> int:
     return _W
 
 
+def _pair_words(x):
+    """bfloat16 ``x`` (rows, columns) viewed as uint32 words of two elements (tegula.ops._bf16_pairs), or None where
+    no such view exists: an odd column count or row stride, or a start that is not 4-byte aligned (a view into a
+    larger tensor). Those take the element-wise kernel."""
+    if x.shape[1] % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        return None
+    return x.view(_tk.torch().uint32)
+
+
 def _split_input(x, x_block_size):
     """(x, its kind, its scales' int32 view or None, packed scales?, (bt, bc), logical hidden) of a cast input."""
     t = _tk.torch()
@@ -124,8 +133,13 @@ def _per_token(x, fmt, num_per_channels, x_block_size, col_major, round_sf, pack
     out, out_k = _out(num_tokens, hidden, fmt) if mode != "sf_only" else (None, None)
     if num_tokens > 0:
         q_arg = out_k if out_k is not None else _out(1, 2, fmt)[1]
+        words = _pair_words(xin) if kind == "bfloat16" and mode == "cast" and not row else None
         if row:
             _tk.kernel(K.per_row_cast, kind, fmt)(xin, q_arg, sf_k, hidden, flags)
+        elif words is not None:  # bf16 read as words of two elements (_bf16_pairs)
+            W = _width(hidden, max(128, 4 * G) if packed else 128)
+            q_words = q_arg.view(_tk.torch().uint16) if fmt == "e4m3" else q_arg
+            _tk.kernel(K.per_token_pairs, fmt, G, W)(words, q_words, sf_k, hidden, flags)
         else:
             W = _width(hidden, max(128, 4 * G) if packed else 128) if kind in ("float32", "bfloat16") else _W
             k = _tk.kernel(K.per_token_cast, kind, fmt, G, mode, xb, in_packed, W)

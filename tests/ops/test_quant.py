@@ -108,6 +108,40 @@ def test_per_token_cast_strided_rows_and_modes(target):
                  ref_cast(x.contiguous(), "e4m3", (1, 128), sf=plain_sf)[0])
 
 
+@pytest.mark.parametrize("fmt,g,sfk,h", [("e4m3", 128, "plain", 2048), ("e4m3", 128, "round", 1000),
+                                         ("e4m3", 64, "ue8m0", 2048), ("e4m3", 16, "colmajor", 1000),
+                                         ("e2m1", 32, "round", 2048), ("e2m1", 16, "plain", 1000)])
+def test_per_token_cast_bf16_pairs_and_elementwise_agree(target, monkeypatch, fmt, g, sfk, h):
+    """bf16 rows are read as uint32 words of two elements (K.per_token_pairs) where that view exists, element by
+    element (K.per_token_cast) where it does not: here a start 2 bytes off 4-byte alignment. Both give the same
+    bits on rows holding NaN, +-inf, bf16 subnormals and -0 (tiles with neither NaN nor inf take the integer amax
+    and, for e4m3, the cast without the NaN select; the others the full path), and the reference's where it is
+    defined (it spreads a NaN into its row's scale). 1000 columns: the last tile of each row is partial."""
+    from tegula.ops import _tk
+
+    used = []
+    kernel = _tk.kernel
+    monkeypatch.setattr(_tk, "kernel", lambda f, *a: used.append(f.__name__) or kernel(f, *a))
+    n = rows(target, 9)
+    x = randn(n, h, scale=3.0)
+    x[0, 5], x[0, h - 2], x[1, 7], x[2, h - 1], x[3, 3] = float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0
+    x[3, 64:300] = torch.linspace(-1e-39, 1e-39, 236)  # bf16 subnormals (and a few zeros)
+    x[4, :g] = 2.0 ** -133  # a group of subnormals only: its amax clamps
+    buf = torch.empty(n, h + 2, dtype=torch.bfloat16)
+    buf[:, 1:h + 1] = x
+    odd = buf[:, 1:h + 1]  # starts 2 bytes into a 4-byte word
+    kw = sf_opts(sfk)
+    q, s = quant.per_token_cast(x, fmt, g, **kw)
+    q2, s2 = quant.per_token_cast(odd, fmt, g, **kw)
+    assert used == ["per_token_pairs", "per_token_cast"]
+    assert_equal(q, q2)
+    assert_equal(s, s2)
+    rq, rs = ref_cast(x[1:], fmt, (1, g), **ref_opts(kw))
+    assert_equal(q[1:], rq)
+    if sfk in ("plain", "round"):
+        assert_equal(s[1:], rs)
+
+
 REQUANT = [  # (input fmt, input block, input scales, output fmt, num_per_channels)
     ("e4m3", (128, 128), "round", "e4m3", 128),
     ("e2m1", (32, 32), "ue8m0", "e4m3", 128),
