@@ -159,6 +159,25 @@ def test_rmsnorm_cast_pairs_match_the_element_path(target, monkeypatch, g, opts)
     assert_equal(q[keep], rq[keep])
 
 
+@pytest.mark.parametrize("rb", [4, 32])
+def test_rmsnorm_cast_pairs_kernel_row_blocks(target, rb):
+    """The pair kernel's pipelined blocks of rb rows (the next row's chunks prefetched behind a copy nothing reads):
+    rows past the last block's end, a row stride, a partial chunk; the bits of rmsnorm_cast_kernel."""
+    from tegula.ops import _tk
+    n, h = (rb + 37 if target == "c" else 5), 1600
+    x = torch.randn(n, h + 64).bfloat16()[:, 64:]
+    w = torch.randn(h).bfloat16()
+    x[2, 17] = float("nan")
+    got = (torch.empty(n, h, dtype=torch.float8_e4m3fn), torch.empty(n, h // 64))
+    want = (torch.empty(n, h, dtype=torch.float8_e4m3fn), torch.empty(n, h // 64))
+    _tk.kernel(norm.rmsnorm_cast_pairs_kernel, 64, rb)(x.view(torch.uint32), w.view(torch.uint32),
+                                                       got[0].view(torch.uint16), got[1].view(torch.int32), 1e-6, 0)
+    _tk.kernel(norm.rmsnorm_cast_kernel, "bfloat16", "bfloat16", "e4m3", 64)(x, w, want[0], want[1].view(torch.int32),
+                                                                             1e-6, 0)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
+
+
 def test_bad_input_names_the_argument():
     x, w = torch.randn(4, 64), torch.randn(64)
     for fn, exc, name in [
