@@ -277,8 +277,8 @@ def main(argv=None):
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
-    kb = lazy(QK.per_block_cast, "bfloat16", "e4m3", 128, 128, H, "cast")
-    bench("per_block_cast 128x128", lambda: kb(x, q8, sfb.view(torch.int32), H, 0),
+    kb = lazy(QK.per_block_pairs, 128, 128, H)
+    bench("per_block_cast 128x128", lambda: kb(xw, q16, sfb.view(torch.int32), H, 0),
           lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
     kc = lazy(QK.per_channel_cast, "bfloat16", H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)

@@ -200,8 +200,12 @@ def _per_block(x, fmt, block_size, col_major, round_sf, packed, mode, sf=None):
     out, out_k = _out(num_tokens, hidden, fmt) if mode != "sf_only" else (None, _out(1, 2, fmt)[1])
     if num_tokens > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(K.per_block_cast, kind, fmt, bt, bc, _tk.align(hidden, max(bc, 64)), mode)(x, out_k, sf_k, hidden,
-                                                                                           flags)
+        HP = _tk.align(hidden, max(bc, 64))
+        words = _pair_words(x) if kind == "bfloat16" and fmt == "e4m3" and mode == "cast" else None
+        if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
+            _tk.kernel(K.per_block_pairs, bt, bc, HP)(words, out_k.view(t.uint16), sf_k, hidden, flags)
+        else:
+            _tk.kernel(K.per_block_cast, kind, fmt, bt, bc, HP, mode)(x, out_k, sf_k, hidden, flags)
     if mode == "sf_only":
         return sf_user
     if mode == "with_sf":
@@ -301,8 +305,12 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, use_tma_aligned_col_major_s
     out = t.empty((num_tokens, hidden // 8 * 3), dtype=t.uint32)
     sf_user, sf_k = _tk.alloc_sf(num_tokens, 1, use_tma_aligned_col_major_sf, use_packed_ue8m0)
     if num_tokens > 0:
+        from tegula.ops import _e5m6_kernels as E5
+        word = t.uint32 if x.dtype == t.bfloat16 else t.int64  # two elements a word
+        if x.stride(0) % 2 or x.data_ptr() % word.itemsize:  # no such view: a copy has one
+            x = x.contiguous()
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(K.per_row_cast, kind, "e5m6")(x, out, sf_k, hidden, flags)
+        _tk.kernel(E5.per_row_cast_e5m6, kind)(x, x.view(word), out, sf_k, hidden, flags)
     return out.view(t.uint8), sf_user
 
 

@@ -285,6 +285,36 @@ def test_per_block_cast(target, case):
         assert_equal(quant.per_block_cast_with_precomputed_sf(x, fmt, block, rs), ref_cast(x, fmt, block, sf=rs)[0])
 
 
+@pytest.mark.parametrize("block,sfk,shape", [((128, 128), "plain", (300, 1024)), ((32, 128), "round", (96, 576)),
+                                             ((32, 32), "ue8m0", (70, 2048))])
+def test_per_block_cast_bf16_pairs_and_elementwise_agree(target, monkeypatch, block, sfk, shape):
+    """As for per_token_cast: K.per_block_pairs where the bf16 words view exists, K.per_block_cast where it does
+    not (a start 2 bytes off 4-byte alignment), bit-equal on bands holding NaN, +-inf, subnormals and -0, whole
+    and partial (rows past the last whole band; 576 columns: a partial last group), and equal to the reference
+    away from the NaN's band."""
+    from tegula.ops import _tk
+
+    used = []
+    kernel = _tk.kernel
+    monkeypatch.setattr(_tk, "kernel", lambda f, *a: used.append(f.__name__) or kernel(f, *a))
+    n, h = shape
+    x = randn(n, h, scale=3.0)
+    bt = block[0]
+    x[0, 5], x[bt, 7], x[bt + 1, h - 1], x[n - 1, 3] = float("nan"), float("inf"), -float("inf"), -0.0
+    x[n - 1, 64:300] = torch.linspace(-1e-39, 1e-39, 236)
+    flat = torch.empty(n * h + 1, dtype=torch.bfloat16)
+    odd = flat[1:].view(n, h)  # contiguous, 2 bytes off a 4-byte word
+    odd.copy_(x)
+    kw = sf_opts(sfk)
+    q, s = quant.per_block_cast(x, "e4m3", block, **kw)
+    q2, s2 = quant.per_block_cast(odd, "e4m3", block, **kw)
+    assert used == ["per_block_pairs", "per_block_cast"]
+    assert_equal(q, q2)
+    assert_equal(s, s2)
+    rq = ref_cast(x[bt:], "e4m3", block, **ref_opts(kw))[0]
+    assert_equal(q[bt:], rq)
+
+
 @pytest.mark.parametrize("round_sf,hidden,dtype", [(False, 576, torch.bfloat16), (True, 576, torch.bfloat16),
                                                    (False, 200, torch.float32),  # 200: a partly masked last row
                                                    (True, 256, torch.float32)])
