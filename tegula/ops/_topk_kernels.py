@@ -575,7 +575,7 @@ def _macros(bits):
 
     from tegula.ops._topk_short import short_macros  # (it imports this module's constants)
     short_row, widen16, emit16 = short_macros(SimpleNamespace(
-        key_raw=key_raw, lane_count=lane_count, search_kth=search_kth, LANES=LANES, raw_t=raw_t,
+        key_raw=key_raw, search_kth=search_kth, LANES=LANES, raw_t=raw_t,
         low=low, KEY_MIN=KEY_MIN, KEY_END=KEY_END, rows=_ROWS, rows_after_first=_ROWS_AFTER_FIRST))
 
     @T.macro
