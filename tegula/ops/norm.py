@@ -385,10 +385,11 @@ def _groups(num_tokens: int) -> int:
 
 def _pairs(x, weight) -> bool:
     """Whether x and weight can be read as uint32 words of two bfloat16 (_bf16_pairs): both bfloat16, even columns
-    and row stride, 4-byte-aligned starts (x's last stride is 1: _check)."""
+    and row stride, 4-byte-aligned starts at even element offsets (torch's view as int32; x's last stride is 1:
+    _check)."""
     t = _tk.torch()
-    return (x.dtype == t.bfloat16 and weight.dtype == t.bfloat16 and x.shape[1] % 2 == 0
-            and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and weight.data_ptr() % 4 == 0)
+    return (x.dtype == t.bfloat16 and weight.dtype == t.bfloat16 and x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0
+            and all(v.data_ptr() % 4 == 0 and v.storage_offset() % 2 == 0 for v in (x, weight)))
 
 
 def rmsnorm_forward_and_per_token_cast(x, weight, eps: float = 1e-6, fmt: str = "e4m3", num_per_channels: int = 128,
