@@ -38,6 +38,7 @@ from bench.common import (  # noqa: E402
     try_compile,
     use_clock,
 )
+from tegula.ops import _e5m6_kernels as EK  # noqa: E402
 from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
 from tegula.ops import _swiglu, _tk, moe, norm, quant  # noqa: E402
@@ -286,8 +287,9 @@ def main(argv=None):
           lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)
     e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
     sf1 = torch.empty(T_, 1, dtype=torch.float32)
-    ke = lazy(QK.per_row_cast, "bfloat16", "e5m6")
-    bench("per_token_cast_to_e5m6", lambda: ke(x, e5, sf1.view(torch.int32), H, 0),
+    ke = lazy(EK.per_row_cast_e5m6, "bfloat16")
+    xw = x.view(torch.uint32)
+    bench("per_token_cast_to_e5m6", lambda: ke(x, xw, e5, sf1.view(torch.int32), H, 0),
           lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5)
     qq, ss = per_token_cast_ref(x)
     y = torch.empty(T_, H, dtype=torch.bfloat16)

@@ -307,8 +307,8 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, use_tma_aligned_col_major_s
     if num_tokens > 0:
         from tegula.ops import _e5m6_kernels as E5
         word = t.uint32 if x.dtype == t.bfloat16 else t.int64  # two elements a word
-        if x.stride(0) % 2 or x.data_ptr() % word.itemsize:  # no such view: a copy has one
-            x = x.contiguous()
+        if x.stride(0) % 2 or x.data_ptr() % word.itemsize:  # no such view: a fresh copy has one
+            x = x.clone(memory_format=t.contiguous_format)
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
         _tk.kernel(E5.per_row_cast_e5m6, kind)(x, x.view(word), out, sf_k, hidden, flags)
     return out.view(t.uint8), sf_user

@@ -1,0 +1,158 @@
+"""The T.* kernel behind ``tegula.ops.quant.per_token_cast_to_e5m6``: one scale per row, 8 e5m6 codes per 3 uint32
+words (code 0 in the top bits of word 0).
+
+A row is read as words of two adjacent values (bfloat16: uint32, as tegula.ops._bf16_pairs; float32: int64), so a
+lane holds an even and an odd element without shuffles and builds the 24-bit pair (code(even) << 12) | code(odd)
+itself; 4 pairs make 3 words. The first pass takes the row's largest and smallest nonzero magnitude as integer bits
+(their order is the magnitudes' for non-NaN values). A row of finite values whose nonzero values all scale to at
+least 2^-14 (the smallest normal float16) takes ``e5m6_code_normal``; the others (NaN, inf, or values 2^30 below
+the row's amax) take ``e5m6_code``, exact on every input. A block walks R rows in a T.Pipelined loop: the pair copy
+of each chunk prefetches the next row's chunk while this one is coded.
+"""
+from __future__ import annotations
+
+import tegula.language as T
+from tegula.ops._quant_kernels import CLAMP_MIN, FMT_MAX, PACKED_SF, ROUND_SF, e5m6_code, scale_of
+
+# per input dtype: (its bits as an integer, the pair word, |x|'s bits mask, +inf's bits)
+_BITS = {"bfloat16": ("uint16", "uint32", 0x7FFF, 0x7F80), "float32": ("uint32", "int64", 0x7FFFFFFF, 0x7F800000)}
+SIGN28 = 0x10000000
+
+
+@T.macro
+def e5m6_code_normal(v, sign28):
+    """``e5m6_code`` of a float32 v >= 0 that is 0 or in [2^-14, 2^16), with the sign bit ``sign28`` (0 or 1 << 28),
+    shifted left by 17 (bits 0..16 are not part of it): v's bits rounded to nearest even at bit 17 (the code's last
+    place) and rebiased, 0 taken as 2^-15 (whose code is 0); the sum stays below 2^28, so the sign is or-ed in. Equal
+    to e5m6_code on every such float32 (checked in C)."""
+    y = T.max(T.reinterpret(v, "uint32"), T.cast(0x38000000, "uint32"))
+    return (y + (0xFFFF - 0x38000000) + ((y >> 17) & 1)) | sign28
+
+
+@T.macro
+def pair_values(w, in_kind):
+    """(|even|, |odd|, even's sign at bit 28, odd's) of a pair word, the magnitudes as float32."""
+    if in_kind == "bfloat16":
+        return (T.reinterpret((w << 16) & 0x7FFF0000, "float32"), T.reinterpret(w & 0x7FFF0000, "float32"),
+                (w << 13) & SIGN28, (w >> 3) & SIGN28)
+    lo = T.cast(w, "uint32")
+    hi = T.cast(w >> 32, "uint32")
+    return (T.reinterpret(lo & 0x7FFFFFFF, "float32"), T.reinterpret(hi & 0x7FFFFFFF, "float32"),
+            (lo >> 3) & SIGN28, (hi >> 3) & SIGN28)
+
+
+@T.macro
+def signed(a, sign28):
+    """The float32 magnitude ``a`` with the sign ``sign28`` (bit 28) put back."""
+    return T.reinterpret(T.reinterpret(a, "uint32") | (sign28 << 3), "float32")
+
+
+@T.macro
+def pair_code(w, inv, in_kind, normal):
+    """The pair word ``w`` scaled by ``inv`` as (code(even) << 16) | (code(odd) << 4) (24 bits from bit 4)."""
+    e, o, se, so = pair_values(w, in_kind)
+    if normal:  # even: bits 17..28 >> 1 to 16..27; odd: >> 17 << 4 (its bits 0..16 dropped)
+        return ((e5m6_code_normal(e * inv, se) >> 1) & 0x0FFF0000) | ((e5m6_code_normal(o * inv, so) >> 17) << 4)
+    return (e5m6_code(signed(e, se) * inv) << 16) | (e5m6_code(signed(o, so) * inv) << 4)
+
+
+@T.macro
+def pack_pairs(P, words, ng):
+    """words[3g..3g+2] from the pairs P[4g..4g+3] (24 bits from bit 4), g < ng. Three statements of one shape
+    (no shift by 0): gcc's SLP makes each 16 words of two two-source permutes, two shifts and an or (with the pairs
+    from bit 0 the third word had another shape, and all three were stored word by word)."""
+    for g in T.Parallel(ng):
+        words[g * 3] = (P[g * 4] << 4) | (P[g * 4 + 1] >> 20)
+        words[g * 3 + 1] = (P[g * 4 + 1] << 12) | (P[g * 4 + 2] >> 12)
+        words[g * 3 + 2] = (P[g * 4 + 2] << 20) | (P[g * 4 + 3] >> 4)
+
+
+@T.macro
+def row_bits(X, hi, lo, r, hidden, XC, bdt, amask, A):
+    """Per lane of A: the largest |x| bits (hi) and the smallest nonzero |x| bits - 1 (lo; 0 - 1 wraps to the top)
+    over row r."""
+    T.fill(hi, 0)
+    T.fill(lo, T.max_value(bdt))
+    na = hidden // A
+    for c in T.serial(na):
+        if c * A + (A - 1) < XC:  # (always: the form guard_global_access proves the reads from)
+            for j in T.Parallel(A):
+                a = T.reinterpret(X[r, c * A + j], bdt) & amask
+                hi[j] = T.max(hi[j], a)
+                lo[j] = T.min(lo[j], T.cast(a - 1, bdt))
+    if na * A < hidden:  # (a loop of its own: fused with the reduction after it, it cost 13% on whole rows)
+        for j in T.Parallel(A):
+            if na * A + j < hidden:
+                a = T.reinterpret(X[r, na * A + j], bdt) & amask
+                hi[j] = T.max(hi[j], a)
+                lo[j] = T.min(lo[j], T.cast(a - 1, bdt))
+
+
+def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
+    """X (num_tokens, hidden) float32 / bfloat16 with row stride ``x_stride`` and XW, the same memory as pair words
+    (num_tokens, hidden / 2) -> Q (num_tokens, hidden / 8 * 3) uint32 and one scale word per row in S (``flags``:
+    ROUND_SF | PACKED_SF, as the other casts). ``hidden`` a multiple of 8. The first pass keeps A lanes, the cast
+    takes W values at a time (the last hidden % W by e5m6_code), a block R rows. 1 thread process CPU time, 37376 x
+    7168 bf16: W 256 / 512 equal, 1024 1.085x; R 1 (no prefetch) 1.08x of R 16, 64 0.98x; the words written with
+    plain stores instead of streaming ones 1.37x."""
+    NT = T.dynamic("num_tokens")
+    XC, XST, WC, WST, QC = (T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("xw_cols"),
+                            T.dynamic("xw_stride"), T.dynamic("q_cols"))
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    bdt, wdt, amask, inf_bits = _BITS[in_kind]
+    maxv, cmin = FMT_MAX["e5m6"], CLAMP_MIN["e5m6"]
+    shift = 16 if in_kind == "bfloat16" else 0  # magnitude bits -> float32 bits
+    NP, NW = W // 2, W // 8 * 3  # pairs and words of a chunk
+
+    @T.prim_func
+    def per_row_cast_e5m6(X: T.StridedTensor((NT, XC), (XST, 1), in_kind),
+                          XW: T.StridedTensor((NT, WC), (WST, 1), wdt), Q: T.Tensor((NT, QC), "uint32"),
+                          S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), hidden: T.int32, flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, R)) as b:
+            rnd = (flags & ROUND_SF) != 0
+            packed = (flags & PACKED_SF) != 0
+            hi = T.alloc_fragment((A,), bdt)
+            lo = T.alloc_fragment((A,), bdt)
+            mx = T.alloc_fragment((1,), bdt)
+            mn = T.alloc_fragment((1,), bdt)
+            amax = T.alloc_fragment((1,), "float32")
+            xw = T.alloc_fragment((NP,), wdt)
+            P = T.alloc_fragment((NP,), "uint32")
+            words = T.alloc_fragment((NW,), "uint32")
+            nfull = hidden // W
+            for i in T.Pipelined(R, num_stages=2):  # the pair copies prefetch the next row's chunks
+                r = b * R + i
+                if r < NT:
+                    row_bits(X, hi, lo, r, hidden, XC, bdt, amask, A)
+                    T.reduce_max(hi, mx, dim=0)
+                    T.reduce_min(lo, mn, dim=0)
+                    amax[0] = T.reinterpret(T.cast(mx[0], "uint32") << shift, "float32")
+                    if mx[0] > inf_bits:  # a NaN: the amax of the other values (T.max ignores NaN)
+                        amax[0] = 0.0
+                        for j in T.serial(hidden):
+                            amax[0] = T.max(amax[0], T.abs(T.cast(X[r, j], "float32")))
+                    w_, inv, e_ = scale_of(amax[0], maxv, cmin, rnd)
+                    S[r, 0] = T.if_then_else(packed, e_, w_)
+                    small = T.reinterpret((T.cast(mn[0], "uint32") + 1) << shift, "float32")
+                    normal = (mx[0] < inf_bits and amax[0] * inv < 65536.0
+                              and (mn[0] == T.max_value(bdt) or small * inv >= 6.103515625e-05))
+                    for c in T.serial(nfull):
+                        if c * NP + (NP - 1) < WC:  # (always, as above)
+                            T.copy(XW[r, c * NP], xw)
+                            if normal:
+                                for m in T.Parallel(NP):
+                                    P[m] = pair_code(xw[m], inv, in_kind, True)
+                            else:
+                                for m in T.Parallel(NP):
+                                    P[m] = pair_code(xw[m], inv, in_kind, False)
+                            pack_pairs(P, words, W // 8)
+                            T.copy(words, Q[r, c * NW], eviction_policy="evict_first")
+                    if nfull * W < hidden:  # the last hidden % W values (a multiple of 8)
+                        for m in T.Parallel(NP):
+                            if nfull * NP + m < hidden // 2:
+                                P[m] = pair_code(XW[r, nfull * NP + m], inv, in_kind, False)
+                        pack_pairs(P, words, W // 8)
+                        for k in T.Parallel(NW):
+                            if nfull * NW + k < hidden // 8 * 3:
+                                Q[r, nfull * NW + k] = words[k]
+    return per_row_cast_e5m6
