@@ -537,42 +537,6 @@ def _macros(bits):
         if b.st[0] > k:
             select(b, k)
 
-    @T.macro
-    def count_ge(b, src, row, length, t, track):
-        """How many keys of src[row, :length] are >= t, counted per lane in the keys' own width (vectorised);
-        with ``track`` b.mg takes in the raw magnitudes too (the NaN check)."""
-        tr = T.cast(t, raw_t)
-        for lane in T.Parallel(LANES):
-            b.lcnt[lane] = 0
-        nfull = length // CHUNK
-        for c in T.serial(nfull):
-            T.copy(src[row, c * CHUNK], b.xs[0:CHUNK])
-            for lane in T.Parallel(LANES):
-                acc = b.lcnt[lane]
-                if track:
-                    mag = b.mg[lane]
-                for j in _ROWS:
-                    v = b.xs[j * LANES + lane]
-                    acc = acc + T.cast(key_raw(v) >= tr, raw_t)
-                    if track:
-                        mag = T.max(mag, v & low)
-                b.lcnt[lane] = acc
-                if track:
-                    b.mg[lane] = mag
-        T.reduce_sum(b.lcnt[0:LANES], b.ext[0:1], dim=0)
-        total = b.ext[0]
-        for j in T.serial(length - nfull * CHUNK):
-            v = src[row, nfull * CHUNK + j]
-            total = total + T.cast(key_of(v) >= t, "int32")
-            if track:
-                b.mg[0] = T.max(b.mg[0], v & low)
-        return total
-
-    @T.macro
-    def row_count(args, t):
-        """search_kth's count for short_row: keys of the row >= t (args = (b, src, row, length))."""
-        return count_ge(args[0], args[1], args[2], args[3], t, False)
-
     from tegula.ops._topk_short import short_macros  # (it imports this module's constants)
     short_row, widen16, emit16 = short_macros(SimpleNamespace(
         key_raw=key_raw, search_kth=search_kth, LANES=LANES, raw_t=raw_t,
