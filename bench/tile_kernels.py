@@ -281,9 +281,9 @@ def main(argv=None):
     kb = lazy(QK.per_block_pairs, 128, 128, H)
     bench("per_block_cast 128x128", lambda: kb(xw, q16, sfb.view(torch.int32), H, 0),
           lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
-    kc = lazy(QK.per_channel_cast, "bfloat16", H)
+    kc = lazy(QK.per_channel_pairs, H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
-    bench("per_channel_cast 128x1", lambda: kc(x, q8, sfc.view(torch.int32), 0),
+    bench("per_channel_cast 128x1", lambda: kc(xw, q16, sfc.view(torch.int32), 0),
           lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)
     e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
     sf1 = torch.empty(T_, 1, dtype=torch.float32)

@@ -686,6 +686,91 @@ def per_channel_cast(in_kind, HP, bt=128):
     return per_channel_cast
 
 
+def per_channel_pairs(HP, bt=128):
+    """per_channel_cast of a bfloat16 input read as uint32 words of two elements (_bf16_pairs): X (num_tokens,
+    x_words) contiguous with num_tokens a multiple of bt and x_words = HP / 2 (whole bands only: the caller takes
+    per_channel_cast otherwise); Q (num_tokens, x_words) uint16, two codes a word. Each word's two columns keep
+    their own amax (integer maxima of their bf16 bits, 4 rows a pass) and scale; a band with neither NaN nor inf
+    casts through e4m3_pair_finite2, others take the float amax (NaN ignored) and the full cast. 1 thread CPU
+    time, 18688 x 7168, against per_channel_cast alternated, medians of 11-15 in four runs: new/old 0.949, 1.004,
+    0.941, 0.953 (33.7 -> 31.9 ms); the column-max pass reads from memory either way."""
+    NT, SR = T.dynamic("num_tokens"), T.dynamic("sf_rows")
+    HW = HP // 2
+
+    @T.prim_func
+    def per_channel_pairs(X: T.Tensor((NT, HW), "uint32"), Q: T.Tensor((NT, HW), "uint16"),
+                          S: T.Tensor((SR, HP), "int32"), flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, bt)) as by:
+            r0 = by * bt
+            rnd = (flags & ROUND_SF) != 0
+            if r0 + (bt - 1) < NT:  # (always: whole bands; the form that lets the element accesses go unguarded)
+                me = T.alloc_fragment((HW,), "uint32")  # |even column| and |odd column| as bf16 bits in the high half
+                mo = T.alloc_fragment((HW,), "uint32")
+                ae = T.alloc_fragment((HW,), "float32")
+                ao = T.alloc_fragment((HW,), "float32")
+                T.fill(me, 0)
+                T.fill(mo, 0)
+                for r in T.serial(bt // 4):
+                    for j in T.Parallel(HW):
+                        me[j] = T.max(me[j], _pairs_col(X, r0 + r * 4, j, 4, 16))
+                        mo[j] = T.max(mo[j], _pairs_col(X, r0 + r * 4, j, 4, 0))
+                topb = T.alloc_fragment((1,), "uint32")
+                T.reduce_max(T.reshape(me, (1, HW)), topb, dim=1)
+                T.reduce_max(T.reshape(mo, (1, HW)), topb, dim=1, clear=False)
+                finite = topb[0] < 0x7F800000
+                if finite:
+                    for j in T.Parallel(HW):
+                        ae[j] = T.reinterpret(me[j], "float32")
+                        ao[j] = T.reinterpret(mo[j], "float32")
+                else:
+                    T.fill(ae, 0.0)
+                    T.fill(ao, 0.0)
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HW):
+                            a = T.abs(P.even(X[r0 + r, j]))  # a > m ? a : m: max ignoring NaN
+                            ae[j] = T.if_then_else(a > ae[j], a, ae[j])
+                            b = T.abs(P.odd(X[r0 + r, j]))
+                            ao[j] = T.if_then_else(b > ao[j], b, ao[j])
+                ie = T.alloc_fragment((HW,), "float32")
+                io = T.alloc_fragment((HW,), "float32")
+                for j in T.Parallel(HW):
+                    w_, v_, e_ = scale_of(ae[j], 448.0, 1e-4, rnd)
+                    ie[j] = v_
+                    S[by, j * 2] = w_
+                    w2, v2, e2 = scale_of(ao[j], 448.0, 1e-4, rnd)
+                    io[j] = v2
+                    S[by, j * 2 + 1] = w2
+                top = T.alloc_fragment((1,), "float32")
+                T.reduce_max(T.reshape(ae, (1, HW)), top, dim=1)
+                T.reduce_max(T.reshape(ao, (1, HW)), top, dim=1, clear=False)
+                if finite:
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HW):
+                            Q[r0 + r, j] = P.e4m3_pair_finite2(X[r0 + r, j], ie[j], io[j])
+                elif (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):  # |x * inv| <= 448 (1 + 2^-22) or NaN
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HW):
+                            x = X[r0 + r, j]
+                            Q[r0 + r, j] = P.e4m3_pair(P.even(x) * ie[j], P.odd(x) * io[j])
+                else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
+                    for r in T.serial(bt):
+                        for j in T.Parallel(HW):
+                            x = X[r0 + r, j]
+                            lo = T.reinterpret(T.cast(P.even(x) * ie[j], "float8_e4m3fn"), "uint8")
+                            hi = T.reinterpret(T.cast(P.odd(x) * io[j], "float8_e4m3fn"), "uint8")
+                            Q[r0 + r, j] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
+    return per_channel_pairs
+
+
+def _pairs_col(X, r, j, n, shift):
+    """The integer max of one column's |bf16| bits (even: ``shift`` 16, odd: 0) in the high half of a uint32, over
+    the rows r .. r + n - 1 of word column j, as one expression."""
+    m = (X[r, j] << shift) & 0x7FFF0000
+    for u in range(1, n):
+        m = T.max(m, (X[r + u, j] << shift) & 0x7FFF0000)
+    return m
+
+
 def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
     """Q (e4m3, or e2m1 bytes) and its scales over bt x bc blocks -> Out = q * sf in ``out_dtype``. ``bc`` 0: one
     scale per row (column index 0)."""

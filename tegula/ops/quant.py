@@ -247,7 +247,11 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, round_sf: bool = False):
     sf = t.empty((num_tokens // 128, hidden), dtype=t.float32)
     if num_tokens > 0 and hidden > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(K.per_channel_cast, kind, _tk.align(hidden, 64))(x, out, sf.view(t.int32), flags)
+        words = _pair_words(x) if kind == "bfloat16" and hidden % 64 == 0 else None
+        if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
+            _tk.kernel(K.per_channel_pairs, hidden)(words, out.view(t.uint16), sf.view(t.int32), flags)
+        else:
+            _tk.kernel(K.per_channel_cast, kind, _tk.align(hidden, 64))(x, out, sf.view(t.int32), flags)
     return out, sf
 
 

@@ -315,6 +315,33 @@ def test_per_block_cast_bf16_pairs_and_elementwise_agree(target, monkeypatch, bl
     assert_equal(q[bt:], rq)
 
 
+@pytest.mark.parametrize("round_sf,hidden", [(False, 576), (True, 128)])
+def test_per_channel_cast_bf16_pairs_and_elementwise_agree(target, monkeypatch, round_sf, hidden):
+    """K.per_channel_pairs where the bf16 words view exists (hidden a multiple of 64), K.per_channel_cast where it
+    does not (a start 2 bytes off 4-byte alignment): bit-equal on a band holding NaN, +-inf, subnormals and -0 and
+    on clean bands, and equal to the reference away from the NaN's band."""
+    from tegula.ops import _tk
+
+    used = []
+    kernel = _tk.kernel
+    monkeypatch.setattr(_tk, "kernel", lambda f, *a: used.append(f.__name__) or kernel(f, *a))
+    n = 384 if target == "c" else 256
+    x = randn(n, hidden, scale=3.0)
+    x[0, 5], x[130, 7], x[131, hidden - 1], x[n - 1, 3] = float("nan"), float("inf"), -float("inf"), -0.0
+    x[n - 1, 10:100] = torch.linspace(-1e-39, 1e-39, 90)
+    flat = torch.empty(n * hidden + 1, dtype=torch.bfloat16)
+    odd = flat[1:].view(n, hidden)  # contiguous, 2 bytes off a 4-byte word
+    odd.copy_(x)
+    q, s = quant.per_channel_cast(x, "e4m3", 128, round_sf=round_sf)
+    q2, s2 = quant.per_channel_cast(odd, "e4m3", 128, round_sf=round_sf)
+    assert used == ["per_channel_pairs", "per_channel_cast"]
+    assert_equal(q, q2)
+    assert_equal(s, s2)
+    rq, rs = ref_cast(x[128:], "e4m3", (128, 1), round_sf=round_sf)
+    assert_equal(q[128:], rq)
+    assert_equal(s[1:], rs)
+
+
 @pytest.mark.parametrize("round_sf,hidden,dtype", [(False, 576, torch.bfloat16), (True, 576, torch.bfloat16),
                                                    (False, 200, torch.float32),  # 200: a partly masked last row
                                                    (True, 256, torch.float32)])
