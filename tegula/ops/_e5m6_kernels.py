@@ -49,22 +49,23 @@ def signed(a, sign28):
 
 @T.macro
 def pair_code(w, inv, in_kind, normal):
-    """The pair word ``w`` scaled by ``inv`` as (code(even) << 16) | (code(odd) << 4) (24 bits from bit 4)."""
+    """The pair word ``w`` scaled by ``inv`` as (code(even) << 17) | (code(odd) << 5) (24 bits from bit 5: the even
+    code stays where e5m6_code_normal leaves it)."""
     e, o, se, so = pair_values(w, in_kind)
-    if normal:  # even: bits 17..28 >> 1 to 16..27; odd: >> 17 << 4 (its bits 0..16 dropped)
-        return ((e5m6_code_normal(e * inv, se) >> 1) & 0x0FFF0000) | ((e5m6_code_normal(o * inv, so) >> 17) << 4)
-    return (e5m6_code(signed(e, se) * inv) << 16) | (e5m6_code(signed(o, so) * inv) << 4)
+    if normal:  # odd: >> 17 << 5 (its bits 0..16 dropped)
+        return (e5m6_code_normal(e * inv, se) & 0x1FFE0000) | ((e5m6_code_normal(o * inv, so) >> 17) << 5)
+    return (e5m6_code(signed(e, se) * inv) << 17) | (e5m6_code(signed(o, so) * inv) << 5)
 
 
 @T.macro
 def pack_pairs(P, words, ng):
-    """words[3g..3g+2] from the pairs P[4g..4g+3] (24 bits from bit 4), g < ng. Three statements of one shape
+    """words[3g..3g+2] from the pairs P[4g..4g+3] (24 bits from bit 5), g < ng. Three statements of one shape
     (no shift by 0): gcc's SLP makes each 16 words of two two-source permutes, two shifts and an or (with the pairs
     from bit 0 the third word had another shape, and all three were stored word by word)."""
     for g in T.Parallel(ng):
-        words[g * 3] = (P[g * 4] << 4) | (P[g * 4 + 1] >> 20)
-        words[g * 3 + 1] = (P[g * 4 + 1] << 12) | (P[g * 4 + 2] >> 12)
-        words[g * 3 + 2] = (P[g * 4 + 2] << 20) | (P[g * 4 + 3] >> 4)
+        words[g * 3] = (P[g * 4] << 3) | (P[g * 4 + 1] >> 21)
+        words[g * 3 + 1] = (P[g * 4 + 1] << 11) | (P[g * 4 + 2] >> 13)
+        words[g * 3 + 2] = (P[g * 4 + 2] << 19) | (P[g * 4 + 3] >> 5)
 
 
 @T.macro
@@ -138,13 +139,13 @@ def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
                               and (mn[0] == T.max_value(bdt) or small * inv >= 6.103515625e-05))
                     for c in T.serial(nfull):
                         if c * NP + (NP - 1) < WC:  # (always, as above)
-                            T.copy(XW[r, c * NP], xw)
+                            T.copy(XW[r, c * NP], xw)  # read by nobody (dropped): its prefetch stays
                             if normal:
                                 for m in T.Parallel(NP):
-                                    P[m] = pair_code(xw[m], inv, in_kind, True)
+                                    P[m] = pair_code(XW[r, c * NP + m], inv, in_kind, True)
                             else:
                                 for m in T.Parallel(NP):
-                                    P[m] = pair_code(xw[m], inv, in_kind, False)
+                                    P[m] = pair_code(XW[r, c * NP + m], inv, in_kind, False)
                             pack_pairs(P, words, W // 8)
                             T.copy(words, Q[r, c * NW], eviction_policy="evict_first")
                     if nfull * W < hidden:  # the last hidden % W values (a multiple of 8)
