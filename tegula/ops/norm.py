@@ -7,7 +7,9 @@
 - ``rmsnorm_forward_and_per_token_cast(x, weight, eps=1e-6, fmt='e4m3', num_per_channels=128,
   use_tma_aligned_col_major_sf=False, round_sf=False, use_packed_ue8m0=False) -> (out, sf)``: the float32 RMSNorm
   output cast as ``tegula.ops.quant.per_token_cast`` casts (same formats, scale layouts and numerics); the
-  normalised row is not rounded to x's dtype in between.
+  normalised row is not rounded to x's dtype in between. With bfloat16 x and weight, fmt 'e4m3' and groups of
+  16-128 columns (norm._pairs: even widths, strides and offsets) the rows are read as uint32 words of two elements
+  (rmsnorm_cast_pairs_kernel, _bf16_pairs); else element by element (rmsnorm_cast_kernel); the same bits.
 
 Numerics, float32 throughout: y = x * w * rstd (left to right), rstd = 1 / sqrt(ss / hidden + eps), ss the sum of
 x * x in a fixed order: 32 lanes (lane l takes the columns l, l + 32, ...) accumulated in column order, then the
