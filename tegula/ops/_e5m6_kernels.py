@@ -5,8 +5,8 @@ A row is read as words of two adjacent values (bfloat16: uint32, as tegula.ops._
 lane holds an even and an odd element without shuffles and builds the 24-bit pair (code(even) << 12) | code(odd)
 itself; 4 pairs make 3 words. The first pass takes the row's largest and smallest nonzero magnitude as integer bits
 (their order is the magnitudes' for non-NaN values). A row of finite values whose nonzero values all scale to at
-least 2^-14 (the smallest normal float16) takes ``e5m6_code_normal``; the others (NaN, inf, or values 2^30 below
-the row's amax) take ``e5m6_code``, exact on every input. A block walks R rows in a T.Pipelined loop: the pair copy
+least 2^-14 (the smallest normal float16) takes ``e5m6_code_normal`` (without its max where no value is 0); the
+others (NaN, inf, or values 2^30 below the row's amax) take ``e5m6_code``, exact on every input. A block walks R rows in a T.Pipelined loop: the pair copy
 of each chunk prefetches the next row's chunk while this one is coded.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ SIGN28 = 0x10000000
 
 
 @T.macro
-def e5m6_code_normal(v, sign28):
+def e5m6_code_normal(v, sign28, zeros=True):
     """``e5m6_code`` of a float32 v >= 0 that is 0 or in [2^-14, 2^16), with the sign bit ``sign28`` (0 or 1 << 28),
     shifted left by 17 (bits 0..16 are not part of it): v's bits rounded to nearest even at bit 17 (the code's last
-    place) and rebiased, 0 taken as 2^-15 (whose code is 0); the sum stays below 2^28, so the sign is or-ed in. Equal
-    to e5m6_code on every such float32 (checked in C)."""
-    y = T.max(T.reinterpret(v, "uint32"), T.cast(0x38000000, "uint32"))
+    place) and rebiased, 0 taken as 2^-15 (whose code is 0; ``zeros`` False: v is not 0); the sum stays below 2^28,
+    so the sign is or-ed in. Equal to e5m6_code on every such float32 (checked in C)."""
+    y = T.max(T.reinterpret(v, "uint32"), T.cast(0x38000000, "uint32")) if zeros else T.reinterpret(v, "uint32")
     return (y + (0xFFFF - 0x38000000) + ((y >> 17) & 1)) | sign28
 
 
@@ -48,12 +48,13 @@ def signed(a, sign28):
 
 
 @T.macro
-def pair_code(w, inv, in_kind, normal):
+def pair_code(w, inv, in_kind, normal, zeros=True):
     """The pair word ``w`` scaled by ``inv`` as (code(even) << 17) | (code(odd) << 5) (24 bits from bit 5: the even
     code stays where e5m6_code_normal leaves it)."""
     e, o, se, so = pair_values(w, in_kind)
     if normal:  # odd: >> 17 << 5 (its bits 0..16 dropped)
-        return (e5m6_code_normal(e * inv, se) & 0x1FFE0000) | ((e5m6_code_normal(o * inv, so) >> 17) << 5)
+        return ((e5m6_code_normal(e * inv, se, zeros) & 0x1FFE0000)
+                | ((e5m6_code_normal(o * inv, so, zeros) >> 17) << 5))
     return (e5m6_code(signed(e, se) * inv) << 17) | (e5m6_code(signed(o, so) * inv) << 5)
 
 
@@ -69,11 +70,12 @@ def pack_pairs(P, words, ng):
 
 
 @T.macro
-def row_bits(X, hi, lo, r, hidden, XC, bdt, amask, A):
-    """Per lane of A: the largest |x| bits (hi) and the smallest nonzero |x| bits - 1 (lo; 0 - 1 wraps to the top)
-    over row r."""
+def row_bits(X, hi, lo, lz, r, hidden, XC, bdt, amask, A):
+    """Per lane of A: the largest |x| bits (hi), the smallest nonzero |x| bits - 1 (lo; 0 - 1 wraps to the top) and
+    the smallest (lz) over row r."""
     T.fill(hi, 0)
     T.fill(lo, T.max_value(bdt))
+    T.fill(lz, T.max_value(bdt))
     na = hidden // A
     for c in T.serial(na):
         if c * A + (A - 1) < XC:  # (always: the form guard_global_access proves the reads from)
@@ -81,12 +83,14 @@ def row_bits(X, hi, lo, r, hidden, XC, bdt, amask, A):
                 a = T.reinterpret(X[r, c * A + j], bdt) & amask
                 hi[j] = T.max(hi[j], a)
                 lo[j] = T.min(lo[j], T.cast(a - 1, bdt))
+                lz[j] = T.min(lz[j], a)
     if na * A < hidden:  # (a loop of its own: fused with the reduction after it, it cost 13% on whole rows)
         for j in T.Parallel(A):
             if na * A + j < hidden:
                 a = T.reinterpret(X[r, na * A + j], bdt) & amask
                 hi[j] = T.max(hi[j], a)
                 lo[j] = T.min(lo[j], T.cast(a - 1, bdt))
+                lz[j] = T.min(lz[j], a)
 
 
 def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
@@ -114,8 +118,10 @@ def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
             packed = (flags & PACKED_SF) != 0
             hi = T.alloc_fragment((A,), bdt)
             lo = T.alloc_fragment((A,), bdt)
+            lz = T.alloc_fragment((A,), bdt)
             mx = T.alloc_fragment((1,), bdt)
             mn = T.alloc_fragment((1,), bdt)
+            mz = T.alloc_fragment((1,), bdt)
             amax = T.alloc_fragment((1,), "float32")
             xw = T.alloc_fragment((NP,), wdt)
             P = T.alloc_fragment((NP,), "uint32")
@@ -124,9 +130,10 @@ def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
             for i in T.Pipelined(R, num_stages=2):  # the pair copies prefetch the next row's chunks
                 r = b * R + i
                 if r < NT:
-                    row_bits(X, hi, lo, r, hidden, XC, bdt, amask, A)
+                    row_bits(X, hi, lo, lz, r, hidden, XC, bdt, amask, A)
                     T.reduce_max(hi, mx, dim=0)
                     T.reduce_min(lo, mn, dim=0)
+                    T.reduce_min(lz, mz, dim=0)
                     amax[0] = T.reinterpret(T.cast(mx[0], "uint32") << shift, "float32")
                     if mx[0] > inf_bits:  # a NaN: the amax of the other values (T.max ignores NaN)
                         amax[0] = 0.0
@@ -140,7 +147,10 @@ def per_row_cast_e5m6(in_kind, W=512, A=256, R=64):
                     for c in T.serial(nfull):
                         if c * NP + (NP - 1) < WC:  # (always, as above)
                             T.copy(XW[r, c * NP], xw)  # read by nobody (dropped): its prefetch stays
-                            if normal:
+                            if normal and mz[0] != 0:  # no zero: no max to take it to 2^-15 (0.95x)
+                                for m in T.Parallel(NP):
+                                    P[m] = pair_code(XW[r, c * NP + m], inv, in_kind, True, False)
+                            elif normal:
                                 for m in T.Parallel(NP):
                                     P[m] = pair_code(XW[r, c * NP + m], inv, in_kind, True)
                             else:
