@@ -56,10 +56,22 @@ def _width(hidden: int, unit: int) -> int:
     more values; past ~2048 columns the float32 tile (8 KB at 2048) and the streams around it outgrow L1 and the
     kernel slows again. 1 thread CPU time, bf16 e4m3 /128, 0.25 GiB: 7168 wide 512 -> 1792 columns 0.253 -> 0.223
     ns/value (3584: 0.266), 4096 wide 512 -> 2048 0.248 -> 0.221."""
-    for w in range(_W_WIDE // unit * unit, _W - 1, -unit):
+    return _widest(hidden, unit, _W_WIDE)
+
+
+def _widest(hidden: int, unit: int, hi: int) -> int:
+    for w in range(hi // unit * unit, _W - 1, -unit):
         if hidden % w == 0:
             return w
     return _W
+
+
+def _pairs_width(hidden: int, fmt: str, G: int, packed: bool) -> int:
+    """Columns per block of per_token_pairs: _width's, but at most 1024 for e2m1, whose codes are staged as words
+    beside X's tile (1 thread CPU time, 18688 x 7168 bf16 -> e2m1 /32 against the element kernel: 1792 / 1024 / 896
+    / 512 columns 0.860 / 0.750 / 0.785 / 0.885; e4m3 /128 1792 / 1024 0.814 / 0.897)."""
+    unit = max(128, 4 * G) if packed else 128
+    return _widest(hidden, unit, 1024) if fmt == "e2m1" else _width(hidden, unit)
 
 
 def _pair_words(x):
@@ -137,7 +149,7 @@ def _per_token(x, fmt, num_per_channels, x_block_size, col_major, round_sf, pack
         if row:
             _tk.kernel(K.per_row_cast, kind, fmt)(xin, q_arg, sf_k, hidden, flags)
         elif words is not None:  # bf16 read as words of two elements (_bf16_pairs)
-            W = _width(hidden, max(128, 4 * G) if packed else 128)
+            W = _pairs_width(hidden, fmt, G, packed)
             q_words = q_arg.view(_tk.torch().uint16) if fmt == "e4m3" else q_arg
             _tk.kernel(K.per_token_pairs, fmt, G, W)(words, q_words, sf_k, hidden, flags)
         else:
