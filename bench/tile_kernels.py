@@ -287,7 +287,7 @@ def main(argv=None):
           lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)
     e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
     sf1 = torch.empty(T_, 1, dtype=torch.float32)
-    ke = lazy(EK.per_row_cast_e5m6, "bfloat16")
+    ke = lazy(EK.per_row_cast_e5m6, "bfloat16", *EK.widths(H))
     xw = x.view(torch.uint32)
     bench("per_token_cast_to_e5m6", lambda: ke(x, xw, e5, sf1.view(torch.int32), H, 0),
           lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5)

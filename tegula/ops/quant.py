@@ -326,7 +326,7 @@ def per_token_cast_to_e5m6(x, num_per_channels: int, use_tma_aligned_col_major_s
         if x.stride(0) % 2 or x.data_ptr() % word.itemsize:  # no such view: a fresh copy has one
             x = x.clone(memory_format=t.contiguous_format)
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        _tk.kernel(E5.per_row_cast_e5m6, kind)(x, x.view(word), out, sf_k, hidden, flags)
+        _tk.kernel(E5.per_row_cast_e5m6, kind, *E5.widths(hidden))(x, x.view(word), out, sf_k, hidden, flags)
     return out.view(t.uint8), sf_user
 
 
