@@ -6,8 +6,8 @@ lane holds an even and an odd element without shuffles and builds the 24-bit pai
 itself; 4 pairs make 3 words. The first pass takes the row's largest and smallest nonzero magnitude as integer bits
 (their order is the magnitudes' for non-NaN values). A row of finite values whose nonzero values all scale to at
 least 2^-14 (the smallest normal float16) takes ``e5m6_code_normal`` (without its max where no value is 0); the
-others (NaN, inf, or values 2^30 below the row's amax) take ``e5m6_code``, exact on every input. A block walks R rows in a T.Pipelined loop: the pair copy
-of each chunk prefetches the next row's chunk while this one is coded.
+others (NaN, inf, or values 2^30 below the row's amax) take ``e5m6_code``, exact on every input. A block walks R
+rows in a T.Pipelined loop: the pair copy of each chunk prefetches the next row's chunk while this one is coded.
 """
 from __future__ import annotations
 
