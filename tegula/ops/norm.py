@@ -41,6 +41,19 @@ _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16"
 
 
 @T.macro
+def _finish_rstd(acc, rstd, hidden, eps, BM):
+    """rstd[i] = 1 / sqrt(sum / hidden + eps) from the BM x LANES (32) lane sums of squares in acc, folded in halves
+    into lane 0 (the order every rmsnorm kernel sums in)."""
+    for step in T.unroll(5):
+        half = 16 >> step
+        for i, lane in T.Parallel(BM, 16):
+            if lane < half:
+                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
+    for i in T.Parallel(BM):
+        rstd[i] = 1.0 / T.sqrt(acc[i, 0] / T.cast(hidden, "float32") + eps)
+
+
+@T.macro
 def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W, touch=None):
     """touch (a (BM, W) tile of X's dtype, or None): each whole chunk is first copied into it, a copy that nothing
     reads (the compiler drops it where the chunk lies inside X) but that a pipelined loop prefetches the next
@@ -60,13 +73,7 @@ def _rstd(X, xf, acc, rstd, r0, hidden, eps, BM, W, touch=None):
             for cc in T.serial(W // LANES):
                 for i, lane in T.Parallel(BM, LANES):
                     acc[i, lane] = acc[i, lane] + xv[i, cc, lane] * xv[i, cc, lane]
-    for step in T.unroll(5):
-        half = 16 >> step
-        for i, lane in T.Parallel(BM, 16):
-            if lane < half:
-                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
-    for i in T.Parallel(BM):
-        rstd[i] = 1.0 / T.sqrt(acc[i, 0] / T.cast(hidden, "float32") + eps)
+    _finish_rstd(acc, rstd, hidden, eps, BM)
 
 
 @T.macro
@@ -220,13 +227,7 @@ def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part):
                     acc2[i, 1, l] = acc2[i, 1, l] + P.odd(w) * P.odd(w)
     for i, lane in T.Parallel(BM, LANES):
         acc[i, lane] = acc2[i, lane % 2, lane // 2]
-    for step in T.unroll(5):
-        half = 16 >> step
-        for i, lane in T.Parallel(BM, 16):
-            if lane < half:
-                acc[i, lane] = acc[i, lane] + acc[i, lane + half]
-    for i in T.Parallel(BM):
-        rstd[i] = 1.0 / T.sqrt(acc[i, 0] / T.cast(H2 * 2, "float32") + eps)
+    _finish_rstd(acc, rstd, H2 * 2, eps, BM)
 
 
 @T.macro
