@@ -263,18 +263,18 @@ def main(argv=None):
     q8 = torch.empty(T_, H, dtype=torch.float8_e4m3fn)
     sf = torch.empty(T_, H // 128, dtype=torch.float32)
     # the kernels quant.per_token_cast picks for this shape (bf16 read as words of two elements; block width:
-    # quant._pairs_width)
+    # quant._pairs_shape)
     xw, q16 = x.view(torch.uint32), q8.view(torch.uint16)
-    k = lazy(QK.per_token_pairs, "e4m3", 128, quant._pairs_width(H, "e4m3", 128, False))
+    k = lazy(QK.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
     bench("per_token_cast bf16->e4m3 /128", lambda: k(xw, q16, sf.view(torch.int32), H, 0),
           lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
-    kp = lazy(QK.per_token_pairs, "e4m3", 128, quant._pairs_width(H, "e4m3", 128, True))
+    kp = lazy(QK.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, True, True))
     bench("per_token_cast ue8m0 packed", lambda: kp(xw, q16, sfk, H, 3),
           lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
-    k4 = lazy(QK.per_token_pairs, "e2m1", 32, quant._pairs_width(H, "e2m1", 32, False))
+    k4 = lazy(QK.per_token_pairs, "e2m1", 32, *quant._pairs_shape(H, "e2m1", 32, False, False))
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)

@@ -274,7 +274,13 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
     return per_token_cast
 
 
-def per_token_pairs(fmt, G, W=2048):
+def staged_groups(G, W):
+    """How many groups of a row per_token_pairs(..., RB > 0) stages (rows with more write their scales per tile,
+    and packed UE8M0 scales then need W a multiple of 4 G)."""
+    return max(64, 4 * (W // G))
+
+
+def per_token_pairs(fmt, G, W=2048, RB=0):
     """per_token_cast (mode 'cast') of a bfloat16 input read as uint32 words of two elements (_bf16_pairs): X
     (num_tokens, x_words) with row stride ``x_stride`` words; Q (q_rows, q_words) one uint16 (two e4m3 codes) or
     one uint8 (two e2m1 codes) per word. The group amax and the cast read X where it lies, with no float32 tile.
@@ -282,82 +288,112 @@ def per_token_pairs(fmt, G, W=2048):
     reduction each); if it holds no NaN nor inf, e4m3 casts without the NaN select (e4m3_pair_finite). Otherwise
     (and in a partial tile) the amax is T.reduce_absmax's, NaN ignored, and the cast the full one. e2m1 codes
     are staged as 32-bit words and narrowed in one loop over the tile: stored as bytes from each 16-word group
-    loop, gcc vectorised at 128 bits (1.25-1.65x slower). 1 thread CPU time, 18688 x 7168 bf16, against the
-    float32-tile kernel (per_token_cast) alternated in one process, medians of 11: e4m3 /128 28.1 -> 22.3 ms (0.76
-    -> 0.61 cycles/value), packed UE8M0 (1024-column blocks) 30.2 -> 25.4, e2m1 /32 40.1 -> 34.8. Measured and
-    not kept: tiles of 3584 / 7168 columns (1.0x / 1.25x the 1792 ones), rows or tiles pipelined with the next
-    one prefetched (1.04-1.14x slower: the hardware prefetcher already streams X)."""
+    loop, gcc vectorised at 128 bits (1.25-1.65x slower).
+    RB 0: a block is one tile of one row. RB > 0 (for column-major scales): a block is RB whole rows, tile by
+    tile, whose scales (rows of up to GMAX groups) are staged and written at the end, RB rows of a group side by
+    side: written per tile, a row's scales are 14 words 75 KB apart (18688 x 7168 /128), which slowed the whole
+    kernel 2x (X's loads stalling; the lines fall in 4 of the 64 L1 sets). Row-major scales keep RB 0: the
+    row-block loop ran 1.08-1.09x slower there.
+    1 thread CPU time, 18688 x 7168 bf16, against the float32-tile kernel (per_token_cast) alternated in one
+    process, medians of 11: e4m3 /128 27.5 -> 22.2 ms (0.74 -> 0.60 cycles/value); column-major float32 scales
+    54.2 -> 26.0; packed UE8M0 30.2 -> 24.0; e2m1 /32 40.4 -> 30.3 (1024 columns, quant._pairs_width). Measured and not kept: tiles of 3584 / 7168 columns (1.0x /
+    1.25x the 1792 ones), rows or tiles pipelined with the next one prefetched (1.04-1.14x slower: the hardware
+    prefetcher already streams X), the next tile's scales computed before this tile's cast (1.2x slower at 1792
+    columns)."""
     NT, XW, XST = T.dynamic("num_tokens"), T.dynamic("x_words"), T.dynamic("x_stride")
     QR, QW = T.dynamic("q_rows"), T.dynamic("q_words")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     GB, GH, WH = W // G, G // 2, W // 2
     L = min(GH, 16)  # lanes of a group's running max
+    GMAX = staged_groups(G, W)  # RB > 0: the groups of a row a block stages (longer rows: written per tile)
     qdt = "uint16" if fmt == "e4m3" else "uint8"
     maxv, cmin = FMT_MAX[fmt], CLAMP_MIN[fmt]
+
+    @T.macro
+    def tile(X, Q, S, hidden, flags, r0, w0, g0, rr, word, eb, staged):
+        """Tile w0 (words) of row r0: its scales written (or staged in word / eb row rr), its codes stored."""
+        ngroups = T.ceildiv(hidden, G)
+        rnd = (flags & ROUND_SF) != 0
+        amax = T.alloc_fragment((1, GB), "float32")
+        top = T.alloc_fragment((1,), "float32")
+        finite = T.alloc_fragment((1,), "int32")  # a whole tile with neither NaN nor inf
+        finite[0] = 0
+        if w0 + (WH - 1) < XW:
+            lm = T.alloc_fragment((1, GB, L), "uint32")
+            for i, g, l in T.Parallel(1, GB, L):
+                lm[i, g, l] = _pairs_top(X, r0, w0 + g * GH + l, GH // L, L)
+            amb = T.alloc_fragment((1, GB), "uint32")
+            topb = T.alloc_fragment((1,), "uint32")
+            T.reduce_max(lm, amb, dim=2)
+            T.reduce_max(amb, topb, dim=1)
+            if topb[0] < 0x7F800000:
+                finite[0] = 1
+                for i, g in T.Parallel(1, GB):
+                    amax[i, g] = T.reinterpret(amb[i, g] & 0xFFFF0000, "float32")
+        if finite[0] == 0:
+            pm = T.alloc_fragment((1, GB, GH), "float32")  # per word: the larger |element|, NaN ignored
+            for i, g, k in T.Parallel(1, GB, GH):
+                pm[i, g, k] = P.abs_max(X[r0, w0 + g * GH + k], 0.0)
+            T.reduce_max(pm, amax, dim=2)
+            T.reduce_max(amax, top, dim=1)
+        inv = T.alloc_fragment((1, GB), "float32")
+        wd = T.alloc_fragment((1, GB), "int32")
+        ed = T.alloc_fragment((1, GB), "int32")
+        for i, g in T.Parallel(1, GB):
+            w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
+            wd[i, g] = w_
+            inv[i, g] = v_
+            ed[i, g] = e_
+        if staged:
+            for i, g in T.Parallel(1, GB):
+                if g0 + g < GMAX:
+                    word[rr, g0 + g] = wd[i, g]
+                    eb[rr, g0 + g] = ed[i, g]
+        else:
+            store_scales(S, wd, ed, r0, g0, NT, ngroups, (flags & PACKED_SF) != 0, 1, GB)
+        whole = r0 < QR and w0 + (WH - 1) < QW and w0 + (WH - 1) < XW
+        if fmt == "e2m1" and whole:  # (the form guard_global_access proves from: no per-element guards)
+            cw = T.alloc_fragment((1, GB, GH), "uint32")
+            for i, g, k in T.Parallel(1, GB, GH):
+                cw[i, g, k] = _e2m1_pair(X[r0, w0 + g * GH + k], inv[i, g])
+            cf = T.reshape(cw, (WH,))
+            for j in T.Parallel(WH):
+                Q[r0, w0 + j] = T.cast(cf[j], "uint8")
+        elif fmt == "e2m1":
+            for i, g, k in T.Parallel(1, GB, GH):
+                Q[r0, w0 + g * GH + k] = T.cast(_e2m1_pair(X[r0, w0 + g * GH + k], inv[i, g]), "uint8")
+        elif finite[0] == 1 and whole:
+            for i, g, k in T.Parallel(1, GB, GH):
+                Q[r0, w0 + g * GH + k] = P.e4m3_pair_finite(X[r0, w0 + g * GH + k], inv[i, g])
+        elif (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):  # |x * inv| <= 448 (1 + 2^-22) or NaN
+            for i, g, k in T.Parallel(1, GB, GH):
+                x = X[r0, w0 + g * GH + k]
+                Q[r0, w0 + g * GH + k] = P.e4m3_pair(P.even(x) * inv[i, g], P.odd(x) * inv[i, g])
+        else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
+            for i, g, k in T.Parallel(1, GB, GH):
+                x = X[r0, w0 + g * GH + k]
+                lo = T.reinterpret(T.cast(P.even(x) * inv[i, g], "float8_e4m3fn"), "uint8")
+                hi = T.reinterpret(T.cast(P.odd(x) * inv[i, g], "float8_e4m3fn"), "uint8")
+                Q[r0, w0 + g * GH + k] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
 
     @T.prim_func
     def per_token_pairs(X: T.StridedTensor((NT, XW), (XST, 1), "uint32"), Q: T.Tensor((QR, QW), qdt),
                         S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), hidden: T.int32, flags: T.int32):
-        with T.Kernel(T.ceildiv(hidden, W), NT) as (bx, by):
-            r0, w0, g0 = by, bx * WH, bx * GB
-            ngroups = T.ceildiv(hidden, G)
-            rnd = (flags & ROUND_SF) != 0
-            packed = (flags & PACKED_SF) != 0
-            amax = T.alloc_fragment((1, GB), "float32")
-            top = T.alloc_fragment((1,), "float32")
-            finite = T.alloc_fragment((1,), "int32")  # a whole tile with neither NaN nor inf
-            finite[0] = 0
-            if w0 + (WH - 1) < XW:
-                lm = T.alloc_fragment((1, GB, L), "uint32")
-                for i, g, l in T.Parallel(1, GB, L):
-                    lm[i, g, l] = _pairs_top(X, r0, w0 + g * GH + l, GH // L, L)
-                amb = T.alloc_fragment((1, GB), "uint32")
-                topb = T.alloc_fragment((1,), "uint32")
-                T.reduce_max(lm, amb, dim=2)
-                T.reduce_max(amb, topb, dim=1)
-                if topb[0] < 0x7F800000:
-                    finite[0] = 1
-                    for i, g in T.Parallel(1, GB):
-                        amax[i, g] = T.reinterpret(amb[i, g] & 0xFFFF0000, "float32")
-            if finite[0] == 0:
-                pm = T.alloc_fragment((1, GB, GH), "float32")  # per word: the larger |element|, NaN ignored
-                for i, g, k in T.Parallel(1, GB, GH):
-                    pm[i, g, k] = P.abs_max(X[r0, w0 + g * GH + k], 0.0)
-                T.reduce_max(pm, amax, dim=2)
-                T.reduce_max(amax, top, dim=1)
-            inv = T.alloc_fragment((1, GB), "float32")
-            word = T.alloc_fragment((1, GB), "int32")
-            eb = T.alloc_fragment((1, GB), "int32")
-            for i, g in T.Parallel(1, GB):
-                w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-                word[i, g] = w_
-                inv[i, g] = v_
-                eb[i, g] = e_
-            store_scales(S, word, eb, r0, g0, NT, ngroups, packed, 1, GB)
-            whole = r0 < QR and w0 + (WH - 1) < QW and w0 + (WH - 1) < XW
-            if fmt == "e2m1" and whole:  # (the form guard_global_access proves from: no per-element guards)
-                cw = T.alloc_fragment((1, GB, GH), "uint32")
-                for i, g, k in T.Parallel(1, GB, GH):
-                    cw[i, g, k] = _e2m1_pair(X[r0, w0 + g * GH + k], inv[i, g])
-                cf = T.reshape(cw, (WH,))
-                for j in T.Parallel(WH):
-                    Q[r0, w0 + j] = T.cast(cf[j], "uint8")
-            elif fmt == "e2m1":
-                for i, g, k in T.Parallel(1, GB, GH):
-                    Q[r0, w0 + g * GH + k] = T.cast(_e2m1_pair(X[r0, w0 + g * GH + k], inv[i, g]), "uint8")
-            elif finite[0] == 1 and whole:
-                for i, g, k in T.Parallel(1, GB, GH):
-                    Q[r0, w0 + g * GH + k] = P.e4m3_pair_finite(X[r0, w0 + g * GH + k], inv[i, g])
-            elif (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):  # |x * inv| <= 448 (1 + 2^-22) or NaN
-                for i, g, k in T.Parallel(1, GB, GH):
-                    x = X[r0, w0 + g * GH + k]
-                    Q[r0, w0 + g * GH + k] = P.e4m3_pair(P.even(x) * inv[i, g], P.odd(x) * inv[i, g])
-            else:  # round_sf meeting amax = inf (inv = -inf): the saturating cast
-                for i, g, k in T.Parallel(1, GB, GH):
-                    x = X[r0, w0 + g * GH + k]
-                    lo = T.reinterpret(T.cast(P.even(x) * inv[i, g], "float8_e4m3fn"), "uint8")
-                    hi = T.reinterpret(T.cast(P.odd(x) * inv[i, g], "float8_e4m3fn"), "uint8")
-                    Q[r0, w0 + g * GH + k] = T.cast(lo, "uint16") | (T.cast(hi, "uint16") << 8)
+        if RB == 0:
+            with T.Kernel(T.ceildiv(hidden, W), NT) as (bx, by):
+                tile(X, Q, S, hidden, flags, by, bx * WH, bx * GB, 0, None, None, False)
+        else:
+            with T.Kernel(T.ceildiv(NT, RB)) as by:
+                staged = T.ceildiv(hidden, G) <= GMAX
+                word = T.alloc_fragment((RB, GMAX), "int32")
+                eb = T.alloc_fragment((RB, GMAX), "int32")
+                for rr in T.serial(RB):
+                    for bx in T.serial(T.ceildiv(hidden, W)):
+                        if by * RB + rr < NT:
+                            tile(X, Q, S, hidden, flags, by * RB + rr, bx * WH, bx * GB, rr, word, eb, staged)
+                if staged:  # RB rows of a group side by side in column-major layouts
+                    store_scales(S, word, eb, by * RB, 0, NT, T.ceildiv(hidden, G), (flags & PACKED_SF) != 0, RB,
+                                 GMAX)
     return per_token_pairs
 
 

@@ -83,6 +83,18 @@ def _pair_words(x):
     return x.view(_tk.torch().uint32)
 
 
+def _pairs_shape(hidden: int, fmt: str, G: int, col_major: bool, packed: bool):
+    """(W, RB) of K.per_token_pairs: column-major scales (packed too) take blocks of 16 rows that write their
+    scales at the end (a row's written per tile are lines 75 KB apart at 18688 tokens: 2x slower); packed scales
+    written per tile (rows longer than K.staged_groups) need whole words a tile."""
+    W = _pairs_width(hidden, fmt, G, False)
+    if not col_major:
+        return W, 0
+    if packed and ceil_div(hidden, G) > K.staged_groups(G, W):
+        W = _pairs_width(hidden, fmt, G, True)
+    return W, 16
+
+
 def _split_input(x, x_block_size):
     """(x, its kind, its scales' int32 view or None, packed scales?, (bt, bc), logical hidden) of a cast input."""
     t = _tk.torch()
@@ -149,9 +161,9 @@ def _per_token(x, fmt, num_per_channels, x_block_size, col_major, round_sf, pack
         if row:
             _tk.kernel(K.per_row_cast, kind, fmt)(xin, q_arg, sf_k, hidden, flags)
         elif words is not None:  # bf16 read as words of two elements (_bf16_pairs)
-            W = _pairs_width(hidden, fmt, G, packed)
             q_words = q_arg.view(_tk.torch().uint16) if fmt == "e4m3" else q_arg
-            _tk.kernel(K.per_token_pairs, fmt, G, W)(words, q_words, sf_k, hidden, flags)
+            k = _tk.kernel(K.per_token_pairs, fmt, G, *_pairs_shape(hidden, fmt, G, col_major, packed))
+            k(words, q_words, sf_k, hidden, flags)
         else:
             W = _width(hidden, max(128, 4 * G) if packed else 128) if kind in ("float32", "bfloat16") else _W
             k = _tk.kernel(K.per_token_cast, kind, fmt, G, mode, xb, in_packed, W)

@@ -110,13 +110,16 @@ def test_per_token_cast_strided_rows_and_modes(target):
 
 @pytest.mark.parametrize("fmt,g,sfk,h", [("e4m3", 128, "plain", 2048), ("e4m3", 128, "round", 1000),
                                          ("e4m3", 64, "ue8m0", 2048), ("e4m3", 16, "colmajor", 1000),
-                                         ("e2m1", 32, "round", 2048), ("e2m1", 16, "plain", 1000)])
+                                         ("e2m1", 32, "round", 2048), ("e2m1", 16, "plain", 1000),
+                                         ("e4m3", 16, "ue8m0", 16384), ("e2m1", 32, "colmajor", 2048)])
 def test_per_token_cast_bf16_pairs_and_elementwise_agree(target, monkeypatch, fmt, g, sfk, h):
     """bf16 rows are read as uint32 words of two elements (K.per_token_pairs) where that view exists, element by
     element (K.per_token_cast) where it does not: here a start 2 bytes off 4-byte alignment. Both give the same
     bits on rows holding NaN, +-inf, bf16 subnormals and -0 (tiles with neither NaN nor inf take the integer amax
     and, for e4m3, the cast without the NaN select; the others the full path), and the reference's where it is
-    defined (it spreads a NaN into its row's scale). 1000 columns: the last tile of each row is partial."""
+    defined (it spreads a NaN into its row's scale). 1000 columns: the last tile of each row is partial.
+    Column-major scales take blocks of 16 rows (9 rows: one partial block) that stage their scales, or write them
+    per tile where a row has more groups than they stage (16384 / 16)."""
     from tegula.ops import _tk
 
     used = []
