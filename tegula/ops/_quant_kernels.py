@@ -296,10 +296,10 @@ def per_token_pairs(fmt, G, W=2048, RB=0):
     row-block loop ran 1.08-1.09x slower there.
     1 thread CPU time, 18688 x 7168 bf16, against the float32-tile kernel (per_token_cast) alternated in one
     process, medians of 11: e4m3 /128 27.5 -> 22.2 ms (0.74 -> 0.60 cycles/value); column-major float32 scales
-    54.2 -> 26.0; packed UE8M0 30.2 -> 24.0; e2m1 /32 40.4 -> 30.3 (1024 columns, quant._pairs_width). Measured and not kept: tiles of 3584 / 7168 columns (1.0x /
-    1.25x the 1792 ones), rows or tiles pipelined with the next one prefetched (1.04-1.14x slower: the hardware
-    prefetcher already streams X), the next tile's scales computed before this tile's cast (1.2x slower at 1792
-    columns)."""
+    54.2 -> 26.0; packed UE8M0 30.2 -> 24.0; e2m1 /32 40.4 -> 30.3 (1024 columns, quant._pairs_width).
+    Measured and not kept: tiles of 3584 / 7168 columns (1.0x / 1.25x the 1792 ones), rows or tiles pipelined
+    with the next one prefetched (1.04-1.14x slower: the hardware prefetcher already streams X), the next tile's
+    scales computed before this tile's cast (1.2x slower at 1792 columns)."""
     NT, XW, XST = T.dynamic("num_tokens"), T.dynamic("x_words"), T.dynamic("x_stride")
     QR, QW = T.dynamic("q_rows"), T.dynamic("q_words")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
