@@ -353,7 +353,7 @@ def cast_back_e5m6(x, fmt: str, x_block_size):
     _tk.check_tensor(q, "x[0]", (t.uint8,), 2)
     if q.shape[1] % 12:
         raise ValueError(f"x[0]: e5m6 rows are 12-byte groups of 8 values, got {q.shape[1]} bytes")
-    q = q.contiguous()
+    q = q.contiguous() if q.data_ptr() % 4 == 0 else q.clone(memory_format=t.contiguous_format)  # uint32 words
     num_tokens, hidden = q.shape[0], q.shape[1] * 2 // 3
     bt, bc = _tk.check_block(x_block_size, "x_block_size")
     if bc != hidden:
@@ -361,8 +361,10 @@ def cast_back_e5m6(x, fmt: str, x_block_size):
     words, packed = _tk.sf_words(sf, "x[1]", ceil_div(num_tokens, bt), 1)
     out = t.empty((num_tokens, hidden), dtype=t.bfloat16 if fmt == "bf16" else t.float32)
     if num_tokens > 0 and hidden > 0:
-        k = _tk.kernel(K.cast_back_e5m6, "bfloat16" if fmt == "bf16" else "float32", bt, packed, _W)
-        k(q.view(t.uint32), words, out, hidden)
+        from tegula.ops import _e5m6_kernels as E5
+        k = _tk.kernel(E5.cast_back_e5m6, "bfloat16" if fmt == "bf16" else "float32", bt, packed,
+                       E5.widths(hidden)[0])
+        k(q.view(t.uint32), words, out.view(t.uint32 if fmt == "bf16" else t.int64), hidden)  # pair words
     return out
 
 

@@ -85,3 +85,32 @@ def test_e5m6_inputs_without_a_pair_view(target, dtype):
     wide = torch.randn(5, h + 8).to(dtype)
     check(wide[:, 8:])
     check(torch.randn(3, 8).to(dtype))
+
+
+@pytest.mark.parametrize("daz", [False, True], ids=["plain", "flush_denormal"])
+def test_e5m6_cast_back_every_code(target, daz):
+    # every 12-bit code (float16 subnormals, inf and NaN included) in rows of 520 (a whole 512-value chunk and a
+    # partial one) and 576 values (one chunk), scales from 2^-100 to 2^120 (times 2^112 past float32: the float16
+    # decode), one scale per 2 rows; flush_denormal: the thread reads subnormal operands as zero, so every row must
+    # take the float16 decode. bf16 NaN is 0x7fc0 (tg_f32_to_bf16's; torch's conversion differs by path)
+    from _quant_ref import e5m6_pack, ref_cast_back
+    codes = torch.cat([torch.arange(4096), torch.randperm(4096)])
+    for h in (520, 576) if target == "c" else (24,):
+        n = 2 * (codes.numel() // h // 2 + 1)
+        c = codes.repeat(n * h // codes.numel() + 1)[: n * h].view(n, h)
+        q = e5m6_pack(c)
+        s = torch.tensor([1.0, 2.0 ** -100, 3.7, 2.0 ** 100, 65024.0, 2.0 ** 120])[torch.randint(0, 6, (n // 2, 1))]
+        for fmt in ("bf16", "fp32"):
+            ref = ref_cast_back(q, s, (2, h), fmt, e5m6=True)
+            if daz and not torch.set_flush_denormal(True):
+                pytest.skip("no flush-denormal mode on this CPU")
+            try:
+                out = quant.cast_back_e5m6((q, s), fmt, (2, h))
+            finally:
+                torch.set_flush_denormal(False)
+            nan = torch.isnan(ref)
+            assert nan.any() and torch.isnan(out[nan]).all()
+            if fmt == "bf16":
+                assert (out.view(torch.int16)[nan] == 0x7FC0).all()
+                out[nan], ref[nan] = 0.0, 0.0
+            assert_equal(out, ref)
