@@ -119,9 +119,10 @@ def per_row_cast_e5m6(in_kind, W=512, A=128, R=64):
     """X (num_tokens, hidden) float32 / bfloat16 with row stride ``x_stride`` and XW, the same memory as pair words
     (num_tokens, hidden / 2) -> Q (num_tokens, hidden / 8 * 3) uint32 and one scale word per row in S (``flags``:
     ROUND_SF | PACKED_SF, as the other casts). ``hidden`` a multiple of 8. The first pass keeps A lanes, the cast
-    takes W values at a time (the last hidden % W by e5m6_code), a block R rows. 1 thread process CPU time, 37376 x
-    7168 bf16: W 256 / 512 equal, 1024 1.085x; R 1 (no prefetch) 1.08x of R 16, 64 0.98x; the words written with
-    plain stores instead of streaming ones 1.37x."""
+    takes W values at a time (a partial last chunk element-guarded), a block R rows (see ``widths``). 1 thread
+    process CPU time, 37376 x 7168 bf16: W 256 / 512 / 1024, R 16 / 64 equal within 2%; R 1 (no prefetch) 1.08x;
+    the words written with plain stores instead of streaming ones 1.37x; the next row's first pass folded into this
+    row's chunks (no prefetch, the magnitudes' lanes through memory) 1.65x."""
     NT = T.dynamic("num_tokens")
     XC, XST, WC, WST, QC = (T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("xw_cols"),
                             T.dynamic("xw_stride"), T.dynamic("q_cols"))

@@ -1,7 +1,7 @@
-"""per_token_cast_to_e5m6's kernel (tegula/ops/_e5m6_kernels.py) against the torch reference in _quant_ref: the
-two codings of a row (e5m6_code_normal where every nonzero value scales to at least 2^-14 and the row is finite,
-e5m6_code elsewhere), the rounding ties at the code's last place, whole chunks and a partial last one, and inputs
-that have no pair-word view. Bit for bit, codes and scales."""
+"""The e5m6 kernels (tegula/ops/_e5m6_kernels.py) against the torch references in _quant_ref, bit for bit. The
+cast: the codings of a row (e5m6_code_normal, with or without zeros, where every nonzero value scales to at least
+2^-14 and the row is finite; e5m6_code elsewhere), the rounding ties at the code's last place, whole chunks and a
+partial last one, inputs without a pair-word view. The cast back: every code, both decodes."""
 import pytest
 import torch
 from _quant_ref import assert_equal, ref_cast
