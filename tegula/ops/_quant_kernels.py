@@ -588,7 +588,7 @@ def per_block_pairs(bt, bc, HP):
     together (both lie in one group: bc is even), 4 rows a pass; with neither NaN nor inf in it, the cast without
     the NaN select (e4m3_pair_finite). Otherwise the float amax (NaN ignored) and the full cast, reads and writes
     past the tensor guarded. 1 thread CPU time, 18688 x 7168, 128 x 128 blocks, against per_block_cast alternated,
-    medians of 11: 34.3 -> 32.8 and 32.4 -> 31.2 ms (0.956, 0.958): the cast gains as per_token_cast's does, the
+    medians of 11: 34.3 -> 32.8 and 32.4 -> 31.2 ms (0.956, 0.958; later 0.964): the cast gains as per_token's, the
     column-max pass (half the samples) is a read from memory either way. The next band's rows prefetched during
     the cast (a pipelined band loop, 4 or 8 bands a block) measured 0.97-0.98, not kept."""
     NT, XW = T.dynamic("num_tokens"), T.dynamic("x_words")
@@ -728,8 +728,8 @@ def per_channel_pairs(HP, bt=128):
     per_channel_cast otherwise); Q (num_tokens, x_words) uint16, two codes a word. Each word's two columns keep
     their own amax (integer maxima of their bf16 bits, 4 rows a pass) and scale; a band with neither NaN nor inf
     casts through e4m3_pair_finite2, others take the float amax (NaN ignored) and the full cast. 1 thread CPU
-    time, 18688 x 7168, against per_channel_cast alternated, medians of 11-15 in four runs: new/old 0.949, 1.004,
-    0.941, 0.953 (33.7 -> 31.9 ms); the column-max pass reads from memory either way."""
+    time, 18688 x 7168, against per_channel_cast alternated, medians of 11-15 in seven runs: new/old 0.941-1.004,
+    median 0.965 (34.0 -> 32.9 ms); the column-max pass reads from memory either way."""
     NT, SR = T.dynamic("num_tokens"), T.dynamic("sf_rows")
     HW = HP // 2
 
