@@ -41,6 +41,7 @@ from bench.common import (  # noqa: E402
 from tegula.ops import _e5m6_kernels as EK  # noqa: E402
 from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
+from tegula.ops import _quant_pairs as QP  # noqa: E402
 from tegula.ops import _swiglu, _tk, moe, norm, quant  # noqa: E402
 from tegula.ops.rope import rope_kernel  # noqa: E402
 
@@ -265,23 +266,23 @@ def main(argv=None):
     # the kernels quant.per_token_cast picks for this shape (bf16 read as words of two elements; block width:
     # quant._pairs_shape)
     xw, q16 = x.view(torch.uint32), q8.view(torch.uint16)
-    k = lazy(QK.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
+    k = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
     bench("per_token_cast bf16->e4m3 /128", lambda: k(xw, q16, sf.view(torch.int32), H, 0),
           lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
-    kp = lazy(QK.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, True, True))
+    kp = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, True, True))
     bench("per_token_cast ue8m0 packed", lambda: kp(xw, q16, sfk, H, 3),
           lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
-    k4 = lazy(QK.per_token_pairs, "e2m1", 32, *quant._pairs_shape(H, "e2m1", 32, False, False))
+    k4 = lazy(QP.per_token_pairs, "e2m1", 32, *quant._pairs_shape(H, "e2m1", 32, False, False))
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
           lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
-    kb = lazy(QK.per_block_pairs, 128, 128, H)
+    kb = lazy(QP.per_block_pairs, 128, 128, H)
     bench("per_block_cast 128x128", lambda: kb(xw, q16, sfb.view(torch.int32), H, 0),
           lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
-    kc = lazy(QK.per_channel_pairs, H)
+    kc = lazy(QP.per_channel_pairs, H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
     bench("per_channel_cast 128x1", lambda: kc(xw, q16, sfc.view(torch.int32), 0),
           lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)

@@ -29,6 +29,7 @@ non-contiguous inputs are read in place; everything runs on the CPU.
 from __future__ import annotations
 
 from tegula.ops import _quant_kernels as K
+from tegula.ops import _quant_pairs as KP
 from tegula.ops import _tk
 from tegula.ops._swiglu import swiglu_backward_and_per_token_cast, swiglu_forward_and_per_token_cast
 from tegula.ops._tk import ceil_div
@@ -84,13 +85,13 @@ def _pair_words(x):
 
 
 def _pairs_shape(hidden: int, fmt: str, G: int, col_major: bool, packed: bool):
-    """(W, RB) of K.per_token_pairs: column-major scales (packed too) take blocks of 16 rows that write their
+    """(W, RB) of KP.per_token_pairs: column-major scales (packed too) take blocks of 16 rows that write their
     scales at the end (a row's written per tile are lines 75 KB apart at 18688 tokens: 2x slower); packed scales
-    written per tile (rows longer than K.staged_groups) need whole words a tile."""
+    written per tile (rows longer than KP.staged_groups) need whole words a tile."""
     W = _pairs_width(hidden, fmt, G, False)
     if not col_major:
         return W, 0
-    if packed and ceil_div(hidden, G) > K.staged_groups(G, W):
+    if packed and ceil_div(hidden, G) > KP.staged_groups(G, W):
         W = _pairs_width(hidden, fmt, G, True)
     return W, 16
 
@@ -162,7 +163,7 @@ def _per_token(x, fmt, num_per_channels, x_block_size, col_major, round_sf, pack
             _tk.kernel(K.per_row_cast, kind, fmt)(xin, q_arg, sf_k, hidden, flags)
         elif words is not None:  # bf16 read as words of two elements (_bf16_pairs)
             q_words = q_arg.view(_tk.torch().uint16) if fmt == "e4m3" else q_arg
-            k = _tk.kernel(K.per_token_pairs, fmt, G, *_pairs_shape(hidden, fmt, G, col_major, packed))
+            k = _tk.kernel(KP.per_token_pairs, fmt, G, *_pairs_shape(hidden, fmt, G, col_major, packed))
             k(words, q_words, sf_k, hidden, flags)
         else:
             W = _width(hidden, max(128, 4 * G) if packed else 128) if kind in ("float32", "bfloat16") else _W
@@ -227,7 +228,7 @@ def _per_block(x, fmt, block_size, col_major, round_sf, packed, mode, sf=None):
         HP = _tk.align(hidden, max(bc, 64))
         words = _pair_words(x) if kind == "bfloat16" and fmt == "e4m3" and mode == "cast" else None
         if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
-            _tk.kernel(K.per_block_pairs, bt, bc, HP)(words, out_k.view(t.uint16), sf_k, hidden, flags)
+            _tk.kernel(KP.per_block_pairs, bt, bc, HP)(words, out_k.view(t.uint16), sf_k, hidden, flags)
         else:
             _tk.kernel(K.per_block_cast, kind, fmt, bt, bc, HP, mode)(x, out_k, sf_k, hidden, flags)
     if mode == "sf_only":
@@ -273,7 +274,7 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, round_sf: bool = False):
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
         words = _pair_words(x) if kind == "bfloat16" and hidden % 64 == 0 else None
         if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
-            _tk.kernel(K.per_channel_pairs, hidden)(words, out.view(t.uint16), sf.view(t.int32), flags)
+            _tk.kernel(KP.per_channel_pairs, hidden)(words, out.view(t.uint16), sf.view(t.int32), flags)
         else:
             _tk.kernel(K.per_channel_cast, kind, _tk.align(hidden, 64))(x, out, sf.view(t.int32), flags)
     return out, sf

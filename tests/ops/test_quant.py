@@ -202,12 +202,13 @@ def test_e2m1_codes_round_to_nearest_even(target):
 
 
 def test_e2m1_pair_finite_equals_the_code_pair(target):
-    """_quant_kernels._e2m1_pair_finite (the pair kernel's e2m1 byte for tiles with neither NaN nor inf: signs taken
+    """_quant_pairs._e2m1_pair_finite (the pair kernel's e2m1 byte for tiles with neither NaN nor inf: signs taken
     from the bf16 word, odd's code shifted by a sum) against e2m1_code of each product, on every finite bf16 in
     each half of a word and several positive scales (ties, subnormals, -0, saturation)."""
     import tegula
     import tegula.language as T
-    from tegula.ops._quant_kernels import _e2m1_pair_finite, e2m1_code
+    from tegula.ops._quant_kernels import e2m1_code
+    from tegula.ops._quant_pairs import _e2m1_pair_finite
 
     n = 1 << 16
     lo = torch.arange(n, dtype=torch.int64)
