@@ -201,6 +201,27 @@ def test_e2m1_codes_round_to_nearest_even(target):
     assert torch.equal(e2m1_decode(q)[0, :7], torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]))
 
 
+def test_per_token_cast_bf16_odd_columns_or_row_stride(target, monkeypatch):
+    """No words view (an odd column count, an odd row stride): the element-wise kernel, equal to the reference."""
+    from tegula.ops import _tk
+
+    used = []
+    kernel = _tk.kernel
+    monkeypatch.setattr(_tk, "kernel", lambda f, *a: used.append(f.__name__) or kernel(f, *a))
+    n = rows(target, 9)
+    base = randn(n, 1000, scale=3.0)
+    for x in (base[:, :999], base[:, 1:]):  # 999 columns (row stride 1000); 999 columns starting one element in
+        q, s = quant.per_token_cast(x, "e4m3", 128, round_sf=True)
+        rq, rs = ref_cast(x.contiguous(), "e4m3", (1, 128), round_sf=True)
+        assert_equal(q, rq)
+        assert_equal(s, rs)
+    x = randn(n, 1001)[:, :1000]  # even columns, odd row stride (1001 elements)
+    assert x.stride(0) % 2 == 1
+    q, s = quant.per_token_cast(x, "e4m3", 128)
+    assert_equal(q, ref_cast(x.contiguous(), "e4m3", (1, 128))[0])
+    assert used == ["per_token_cast"] * 3
+
+
 def test_e2m1_pair_finite_equals_the_code_pair(target):
     """_quant_pairs._e2m1_pair_finite (the pair kernel's e2m1 byte for tiles with neither NaN nor inf: signs taken
     from the bf16 word, odd's code shifted by a sum) against e2m1_code of each product, on every finite bf16 in
