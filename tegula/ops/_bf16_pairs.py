@@ -85,11 +85,35 @@ def e4m3_pair(ve, vo):
 
 
 @T.macro
+def e4m3_magnitudes(se, so):
+    """The e4m3 magnitude codes of two e4m3_sum results in one uint32: se's in bits 0..6, so's in bits 8..14 (the
+    low byte of se + (se >> 20), bits 8..15 of (so << 8) + (so >> 12)); the signs go in bits 7 and 15."""
+    return ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
+
+
+@T.macro
+def e4m3_pair_values(ve, vo):
+    """The e4m3 codes of finite float32 ve, vo (|v| < 464) as one uint16, ve's in the low byte: e4m3_pair_finite
+    on two values instead of a word's elements."""
+    se = e4m3_sum(ve)
+    so = e4m3_sum(vo)
+    c = e4m3_magnitudes(se, so)
+    return T.cast(c | ((T.reinterpret(ve, "uint32") >> 24) & 0x80) | ((T.reinterpret(vo, "uint32") >> 16) & 0x8000),
+                  "uint16")
+
+
+@T.macro
+def mag_max(ve, vo):
+    """The larger of |ve| and |vo| (float32) as float32 bits, an integer max (NaN above inf)."""
+    return T.max(T.reinterpret(ve, "uint32") & 0x7FFFFFFF, T.reinterpret(vo, "uint32") & 0x7FFFFFFF)
+
+
+@T.macro
 def e4m3_pair_finite2(w, inv_e, inv_o):
     """e4m3_pair_finite with a scale per element: even(w) * inv_e and odd(w) * inv_o."""
     so = e4m3_sum(odd(w) * inv_o)
     se = e4m3_sum(even(w) * inv_e)
-    c = ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
+    c = e4m3_magnitudes(se, so)
     return T.cast(c | ((w >> 8) & 0x80) | ((w >> 16) & 0x8000), "uint16")
 
 

@@ -1,5 +1,5 @@
-"""The T.* kernels behind ``tegula.ops.quant``: per-token / per-block / per-channel casts to e4m3, e2m1 (FP4) and
-e5m6, and the casts back.
+"""The T.* kernels behind ``tegula.ops.quant``: per-token / per-block / per-channel casts to e4m3 and e2m1 (FP4),
+the casts back, and the e5m6 code (its kernels are in _e5m6_kernels).
 
 Shapes are symbolic (``T.dynamic``): one compiled kernel serves every token count and hidden size; what is compiled
 in is the input dtype, the output format, the scaling-group shape and the input scales' block shape. A block covers
@@ -39,6 +39,16 @@ def scale_of(amax, maxv, clamp_min, rnd):
     word = T.if_then_else(rnd, eb << 23, bits)
     inv = T.if_then_else(rnd, T.reinterpret((254 - eb) << 23, "float32"), maxv / a)
     return word, inv, eb
+
+
+@T.macro
+def group_scales(amax, word, inv, eb, maxv, clamp_min, rnd, BM, GB):
+    """scale_of over a (BM, GB) tile of group amaxes: the sf words, inverse scales and UE8M0 exponents."""
+    for i, g in T.Parallel(BM, GB):
+        w_, v_, e_ = scale_of(amax[i, g], maxv, clamp_min, rnd)
+        word[i, g] = w_
+        inv[i, g] = v_
+        eb[i, g] = e_
 
 
 @T.macro
@@ -246,11 +256,7 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
                 T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
                 word = T.alloc_fragment((BM, GB), "int32")
                 eb = T.alloc_fragment((BM, GB), "int32")
-                for i, g in T.Parallel(BM, GB):
-                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-                    word[i, g] = w_
-                    inv[i, g] = v_
-                    eb[i, g] = e_
+                group_scales(amax, word, inv, eb, maxv, cmin, rnd, BM, GB)
                 store_scales(S, word, eb, r0, g0, NT, ngroups, packed, BM, GB)
             if mode != "sf_only":
                 xg = T.reshape(xf, (BM, GB, G))
@@ -282,9 +288,9 @@ def per_token_cast(in_kind, fmt, G, mode="cast", xb=(1, 1), in_packed=False, W=2
 def per_row_cast(in_kind, fmt, W=128, BM=1):
     """One scale per row (num_per_channels == hidden): the row's amax over chunks of W (a running max per
     column of the chunk, one reduction per row: a reduction per chunk measured 7% slower on e5m6), then the cast chunk
-    by chunk. ``fmt`` e4m3 / e2m1 / e5m6 (e5m6: Q is uint32, 8 values in 3 words). W = 128 measured fastest (bf16
-    7168-wide rows, 1 thread CPU time, W = 1024 -> 128: e5m6 104 -> 77 ms, e4m3 59 -> 44 ms; 256 and 512 in
-    between, 32 and 64 slower again)."""
+    by chunk. ``fmt`` e4m3 / e2m1 (e5m6 has its own kernel, _e5m6_kernels). W = 128 measured fastest (bf16
+    7168-wide rows, 1 thread CPU time, W = 1024 -> 128: e4m3 59 -> 44 ms; 256 and 512 in between, 32 and 64 slower
+    again)."""
     NT = T.dynamic("num_tokens")
     XC, XST, QC = T.dynamic("x_cols"), T.dynamic("x_stride"), T.dynamic("q_cols")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
@@ -321,12 +327,9 @@ def per_row_cast(in_kind, fmt, W=128, BM=1):
                     S[r0 + i, 0] = T.if_then_else(packed, e_, w_)
             for c in T.serial(T.ceildiv(hidden, W)):
                 T.copy(X[r0, c * W], xf)
-                if fmt == "e5m6":
-                    store_e5m6(Q, xf, inv, r0, c * W, BM, W)
-                else:
-                    for i, j in T.Parallel(BM, W):
-                        xf[i, j] = xf[i, j] * inv[i]
-                    store_quantized(Q, xf, r0, c * W, fmt, BM, W)
+                for i, j in T.Parallel(BM, W):
+                    xf[i, j] = xf[i, j] * inv[i]
+                store_quantized(Q, xf, r0, c * W, fmt, BM, W)
     return per_row_cast
 
 
@@ -345,23 +348,6 @@ def e5m6_code(v):
     c = T.if_then_else(r > 0x7F800000, T.cast(0x7FF, "uint32"), T.if_then_else(r < 0x38800000, sub, norm))
     up = T.cast((c & 1) + (xb & 0x1FFFF) > 0x10000, "uint32")
     return (c + up + ((xb >> 20) & 0x800)) & 0xFFF
-
-
-@T.macro
-def store_e5m6(Q, v, inv, r0, c0, BM, W):
-    """Pack the float32 tile ``v`` times its row's ``inv`` as e5m6: 8 codes per 3 uint32 words (code 0 in the top
-    bits of word 0)."""
-    codes = T.alloc_fragment((BM, W), "uint32")
-    for i, j in T.Parallel(BM, W):
-        codes[i, j] = e5m6_code(v[i, j] * inv[i])
-    words = T.alloc_fragment((BM, W // 8, 3), "uint32")
-    for i, j in T.Parallel(BM, W // 8):
-        h0, h1, h2, h3 = codes[i, j * 8], codes[i, j * 8 + 1], codes[i, j * 8 + 2], codes[i, j * 8 + 3]
-        h4, h5, h6, h7 = codes[i, j * 8 + 4], codes[i, j * 8 + 5], codes[i, j * 8 + 6], codes[i, j * 8 + 7]
-        words[i, j, 0] = (h0 << 20) | (h1 << 8) | (h2 >> 4)
-        words[i, j, 1] = (h2 << 28) | (h3 << 16) | (h4 << 4) | (h5 >> 8)
-        words[i, j, 2] = (h5 << 24) | (h6 << 12) | h7
-    T.copy(T.reshape(words, (BM, W // 8 * 3)), Q[r0, c0 // 8 * 3])
 
 
 def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
@@ -411,11 +397,7 @@ def per_block_cast(in_kind, fmt, bt, bc, HP, mode="cast"):
                 T.reduce_max(amax, top, dim=1)
                 word = T.alloc_fragment((1, GB), "int32")
                 eb = T.alloc_fragment((1, GB), "int32")
-                for i, g in T.Parallel(1, GB):
-                    w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-                    word[i, g] = w_
-                    inv[i, g] = v_
-                    eb[i, g] = e_
+                group_scales(amax, word, inv, eb, maxv, cmin, rnd, 1, GB)
                 store_scales(S, word, eb, by, 0, T.ceildiv(NT, bt), ngroups, packed, 1, GB)
             if mode != "sf_only":
                 invc = T.alloc_fragment((1, GB, bc), "float32")  # per column: the row loops below stay one loop each
@@ -564,40 +546,6 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
                         xb[i, c, k] = xb[i, c, k] * xs[i, c]
                 T.copy(xf, Out[r0, c0])
     return cast_back
-
-
-def cast_back_e5m6(out_dtype, bt, in_packed, W=2048, BM=1):
-    """e5m6 words (num_tokens, hidden / 8 * 3) and one scale per row per bt rows -> Out in ``out_dtype``."""
-    NT, QC, OC = T.dynamic("num_tokens"), T.dynamic("q_cols"), T.dynamic("out_cols")
-    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
-
-    @T.prim_func
-    def cast_back_e5m6(Q: T.Tensor((NT, QC), "uint32"), S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"),
-                       Out: T.Tensor((NT, OC), out_dtype), hidden: T.int32):
-        with T.Kernel(T.ceildiv(hidden, W), T.ceildiv(NT, BM)) as (bx, by):
-            r0, c0 = by * BM, bx * W
-            words = T.alloc_fragment((BM, W // 8 * 3), "uint32")
-            xf = T.alloc_fragment((BM, W // 8, 8), "float32")
-            T.copy(Q[r0, c0 // 8 * 3], words)
-            for i, j in T.Parallel(BM, W // 8):
-                w0, w1, w2 = words[i, j * 3], words[i, j * 3 + 1], words[i, j * 3 + 2]
-                s = sf_from_word(S[T.min(r0 + i, NT - 1) // bt, 0], 0, in_packed)
-                xf[i, j, 0] = f16_bits(w0 >> 16) * s
-                xf[i, j, 1] = f16_bits(w0 >> 4) * s
-                xf[i, j, 2] = f16_bits((w0 << 8) | (w1 >> 24)) * s
-                xf[i, j, 3] = f16_bits(w1 >> 12) * s
-                xf[i, j, 4] = f16_bits(w1) * s
-                xf[i, j, 5] = f16_bits((w1 << 12) | (w2 >> 20)) * s
-                xf[i, j, 6] = f16_bits(w2 >> 8) * s
-                xf[i, j, 7] = f16_bits(w2 << 4) * s
-            T.copy(T.reshape(xf, (BM, W)), Out[r0, c0])
-    return cast_back_e5m6
-
-
-@T.macro
-def f16_bits(w):
-    """The float32 value of the float16 whose top 12 bits are bits 4..15 of ``w``."""
-    return T.cast(T.reinterpret(T.cast(w & 0xFFF0, "uint16"), "float16"), "float32")
 
 
 def e2m1_unpack(W=2048, BM=1):

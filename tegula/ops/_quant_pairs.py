@@ -15,6 +15,7 @@ from tegula.ops._quant_kernels import (
     ROUND_SF,
     e2m1_code,
     e2m1_sum,
+    group_scales,
     scale_of,
     store_scales,
 )
@@ -86,11 +87,7 @@ def per_token_pairs(fmt, G, W=2048, RB=0):
         inv = T.alloc_fragment((1, GB), "float32")
         wd = T.alloc_fragment((1, GB), "int32")
         ed = T.alloc_fragment((1, GB), "int32")
-        for i, g in T.Parallel(1, GB):
-            w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-            wd[i, g] = w_
-            inv[i, g] = v_
-            ed[i, g] = e_
+        group_scales(amax, wd, inv, ed, maxv, cmin, rnd, 1, GB)
         if staged:
             for i, g in T.Parallel(1, GB):
                 if g0 + g < GMAX:

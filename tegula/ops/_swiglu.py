@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import tegula.language as T
 from tegula.ops import _tk
-from tegula.ops._quant_kernels import PACKED_SF, ROUND_SF, e4m3_in_range, scale_of, store_scales
+from tegula.ops._quant_kernels import (PACKED_SF, ROUND_SF, e4m3_in_range, group_scales, scale_of,
+                                       store_scales)
 from tegula.ops._tk_math import exp_f32, exp_mid, fma_f32
 
 LANES = 32
@@ -139,11 +140,7 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                 word = T.alloc_fragment((BM, GB), "int32")
                 eb = T.alloc_fragment((BM, GB), "int32")
                 T.reduce_absmax(y, amax, dim=2)
-                for i, g in T.Parallel(BM, GB):
-                    w_, v_, e_ = scale_of(amax[i, g], 448.0, sf_min, rnd)
-                    word[i, g] = w_
-                    inv[i, g] = v_
-                    eb[i, g] = e_
+                group_scales(amax, word, inv, eb, 448.0, sf_min, rnd, BM, GB)
                 store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
                 ytop = T.alloc_fragment((1,), "float32")
                 T.reduce_max(T.reshape(amax, (1, BM * GB)), ytop, dim=1)

@@ -27,6 +27,7 @@ from tegula.ops._quant_kernels import (
     PACKED_SF,
     ROUND_SF,
     e4m3_in_range,
+    group_scales,
     scale_of,
     store_quantized,
     store_scales,
@@ -183,11 +184,7 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
                 if G != 0:
                     T.reduce_absmax(xg, amax, dim=2)
                     T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
-                    for i, g in T.Parallel(BM, GB):
-                        w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-                        word[i, g] = w_
-                        inv[i, g] = v_
-                        eb[i, g] = e_
+                    group_scales(amax, word, inv, eb, maxv, cmin, rnd, BM, GB)
                     store_scales(S, word, eb, r0, c * GB, NT, T.ceildiv(H, G), packed, BM, GB)
                 # x * inv is within 448 (1 + 2^-22) or NaN (as in _quant_kernels.per_token_cast) unless round_sf
                 # meets an infinite amax: then the full cast
@@ -231,23 +228,6 @@ def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part):
 
 
 @T.macro
-def e4m3_pair_of(ve, vo):
-    """The e4m3 codes of finite float32 ve, vo (|v| < 464) as one uint16, ve's in the low byte (the combining of
-    _bf16_pairs.e4m3_pair_finite, on values instead of a word's elements)."""
-    se = P.e4m3_sum(ve)
-    so = P.e4m3_sum(vo)
-    c = ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
-    return T.cast(c | ((T.reinterpret(ve, "uint32") >> 24) & 0x80) | ((T.reinterpret(vo, "uint32") >> 16) & 0x8000),
-                  "uint16")
-
-
-@T.macro
-def mag_max(ve, vo):
-    """The larger of |ve| and |vo| as float32 bits (an integer max: NaN above inf)."""
-    return T.max(T.reinterpret(ve, "uint32") & 0x7FFFFFFF, T.reinterpret(vo, "uint32") & 0x7FFFFFFF)
-
-
-@T.macro
 def _pair_products(X, Wt, xr, xc, wc, rstd, xe, xo, ab, BM, GB, GH):
     """xe / xo = the even / odd elements of X's words times the weight's times rstd; ab = the larger magnitude of
     the two as float32 bits (an integer max: NaN above inf)."""
@@ -258,7 +238,7 @@ def _pair_products(X, Wt, xr, xc, wc, rstd, xe, xo, ab, BM, GB, GH):
         vo = P.odd(w) * P.odd(ww) * rstd[i]
         xe[i, g, k] = ve
         xo[i, g, k] = vo
-        ab[i, g, k] = mag_max(ve, vo)
+        ab[i, g, k] = P.mag_max(ve, vo)
 
 
 @T.macro
@@ -289,15 +269,11 @@ def pair_cast(Q, S, xe, xo, ab, r0, q0, g0, NT, ngroups, whole, maxv, cmin, flag
         for i, g in T.Parallel(BM, GB):
             amax[i, g] = T.if_then_else(am2[i, g] > amax[i, g], am2[i, g], amax[i, g])
         T.reduce_max(T.reshape(amax, (1, BM * GB)), top, dim=1)
-    for i, g in T.Parallel(BM, GB):
-        w_, v_, e_ = scale_of(amax[i, g], maxv, cmin, rnd)
-        word[i, g] = w_
-        inv[i, g] = v_
-        eb[i, g] = e_
+    group_scales(amax, word, inv, eb, maxv, cmin, rnd, BM, GB)
     store_scales(S, word, eb, r0, g0, NT, ngroups, (flags & PACKED_SF) != 0, BM, GB)
     if finite and whole:
         for i, g, k in T.Parallel(BM, GB, GH):
-            Q[r0 + i, q0 + g * GH + k] = e4m3_pair_of(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
+            Q[r0 + i, q0 + g * GH + k] = P.e4m3_pair_values(xe[i, g, k] * inv[i, g], xo[i, g, k] * inv[i, g])
     else:
         q = T.alloc_fragment((BM, GB, GH), "uint16")
         if finite or (flags & ROUND_SF) == 0 or top[0] < T.infinity("float32"):
