@@ -54,6 +54,7 @@ SHORT_MAX = 1 << 16       # rows of 16-bit keys up to this long with k >= SHORT_
 SHORT_MU = 64             # find their k-th key by counting passes (short_row); below, top_range is faster
 INT_MIN = -(1 << 31)
 INT_MAX = (1 << 31) - 1
+TOP_UNKNOWN = INT_MAX     # st[2] of 16-bit candidates whose largest key is not known yet (no 16-bit key is this)
 NAN_FLAG = 0x3F3F3F3F     # DeepSelect's marker in indices[row, 0] of a row holding NaN
 
 _SORT_SHIFTS = {32: (0, 8, 16, 24), 16: (0, 8)}
@@ -271,6 +272,18 @@ def _macros(bits):
         # may wrap) was one masked scatter per 16 keys, not a contiguous store
         for i in T.Parallel(nch * CHUNK - cnt):
             b.ck[T.cast(cnt, "int64") + i] = INT_MIN
+        if bits == 16:
+            if b.st[2] == TOP_UNKNOWN:   # after pass2_dense: the top from the candidates (padded with INT_MIN)
+                for lane in T.Parallel(LANES):
+                    b.lmax[lane] = INT_MIN
+                for c in T.serial(nch):
+                    for lane in T.Parallel(LANES):
+                        top = b.lmax[lane]
+                        for j in _ROWS:
+                            top = T.max(top, b.ck[c * CHUNK + j * LANES + lane])
+                        b.lmax[lane] = top
+                T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
+                b.st[2] = b.ext[0]
         # the search runs in int64: 32-bit keys span up to 2^32
         kth, _, above = search_kth(T.cast(b.st[3], "int64"), T.cast(b.st[2], "int64") + 1, cnt, T.cast(0, "int32"),
                                    k, top_count, (b, nch), "int64")
@@ -299,24 +312,17 @@ def _macros(bits):
         cnt = b.st[0]
         b.st[4] = T.cast(w > 0, "int32")
         if w > 0:
-            # widened WG at a time (whole vectors: entries past cnt + w are overwritten later or never read), the
-            # range per lane beside (a scalar loop over w, or min / max updates in the compress loop, cost 7%)
-            for i in T.Parallel(WG):
-                b.lmax[i] = INT_MIN
-                b.lmax[WG + i] = INT_MAX
+            # widened WG at a time (whole vectors: entries past cnt + w are overwritten later or never read). No
+            # range here: every key is above thr, and the top is left unknown (TOP_UNKNOWN) for kth_key to take
+            # from the candidates; a running max / min per lane (gcc: a masked load and store of it per group,
+            # which waited on the last group's store) was ~0.3 us of b1 8K k512's ~2.9 us kernel
             for g in T.serial((w + WG - 1) // WG):
                 for i in T.Parallel(WG):
-                    kv = T.cast(b.k16[g * WG + i], "int32")
-                    b.ck[T.cast(cnt, "int64") + g * WG + i] = kv
+                    b.ck[T.cast(cnt, "int64") + g * WG + i] = T.cast(b.k16[g * WG + i], "int32")
                     b.ci[T.cast(cnt, "int64") + g * WG + i] = base + T.cast(b.p16[g * WG + i], "int32")
-                    live = g * WG + i < w
-                    b.lmax[i] = T.max(b.lmax[i], T.if_then_else(live, kv, INT_MIN))
-                    b.lmax[WG + i] = T.min(b.lmax[WG + i], T.if_then_else(live, kv, INT_MAX))
-            T.reduce_max(b.lmax[0:WG], b.ext[0:1], dim=0)
-            T.reduce_min(b.lmax[WG:2 * WG], b.ext[1:2], dim=0)
             b.st[0] = cnt + w
-            b.st[2] = T.max(b.st[2], b.ext[0])
-            b.st[3] = T.min(b.st[3], b.ext[1])
+            b.st[2] = TOP_UNKNOWN
+            b.st[3] = T.min(b.st[3], thr + 1)
 
     @T.macro
     def pass2(b, xb, off, base, src_idx, row, raw_src, thr):

@@ -190,6 +190,30 @@ def test_dense_rows_flag_nan_and_rescan_a_misleading_sample():
         topk(x, k)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_dense_rows_whose_buffer_fills(dtype):
+    # a sample (runs of 8 keys, 128 apart) of the row's smallest values: every other key passes the sampled
+    # threshold, the buffer fills again and again, and each select takes the candidates' largest key from the
+    # candidates themselves (pass2_dense keeps no range); the largest keys first, last, in the tail past the
+    # last whole chunk (end), and in row 3 300 keys one below the largest before 300 of the largest (the k-th:
+    # a top taken one too low would keep the first 512 of the 600 in index order)
+    n, k = 8192, 512
+    x = torch.randn(4, n)
+    for g in range(64):
+        x[:, g * 128:g * 128 + 8] = -50.0
+    x[0, 9] = 60.0
+    x[1, n - 1] = 60.0
+    x[2, 8190] = 60.0
+    x = x.to(dtype)
+    seven = torch.tensor([7.0], dtype=dtype)
+    x[3, 3000:3300] = (seven.view(torch.int16) - 1).view(dtype)
+    x[3, 3300:3600] = seven
+    end = torch.tensor([n, n, 8191, n - 5], dtype=torch.int32)
+    for e in (None, end):
+        v, i = topk(x, k, end=e)
+        check(x, k, v, i, end=e)
+
+
 # end, fill values, offsets, outputs -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,idx_type", [(BF16, torch.int32), (F16, torch.int64), (F32, torch.int64)])
