@@ -117,6 +117,36 @@ def subnormals_kept(n):
 
 
 @T.macro
+def e4m3_scaled(q, s):
+    """e4m3_value(q) * (s / 2^120) for a code that is not NaN and s = 2^120 sf finite: q's byte sign-extended to 32
+    bits and shifted by 20 places its magnitude bits at float32 bits 26..20 and its sign at 31..27, the mask keeps
+    bit 31: the float32 2^-120 q (as e4m3_value's), times s. The same exact product as e4m3_value(q) * sf, rounded
+    once (2^120 sf is exact where finite); under the same condition (subnormals_kept)."""
+    b = T.cast(T.reinterpret(q, "int8"), "uint32")
+    return T.reinterpret((b << 20) & 0x87F00000, "float32") * s
+
+
+@T.macro
+def e4m3_plain_tile(Q, xs, xs2, ok, r0, c0, BM, NB, W):
+    """ok[0] = 1 where the BM x W e4m3 tile of Q at (r0, c0) holds no NaN code (magnitude bits 0x7f) and every
+    scale of xs times 2^120 (into xs2) is finite: the tile e4m3_scaled decodes (a byte max per 64 codes)."""
+    qm = T.alloc_fragment((64,), "uint8")
+    qt = T.alloc_fragment((1,), "uint8")
+    big = T.alloc_fragment((1,), "float32")
+    T.fill(qm, 0)
+    for i in T.serial(BM):
+        for j in T.serial(W // 64):
+            for m in T.Parallel(64):
+                qm[m] = T.max(qm[m], T.reinterpret(Q[r0 + i, c0 + j * 64 + m], "uint8") & 0x7F)
+    T.reduce_max(T.reshape(qm, (1, 64)), qt, dim=1)
+    for i, c in T.Parallel(BM, NB):
+        xs2[i, c] = xs[i, c] * 1.329227995784916e36
+    T.reduce_absmax(T.reshape(xs2, (1, BM * NB)), big, dim=1)
+    if qt[0] < 0x7F and big[0] < T.infinity("float32"):
+        ok[0] = 1
+
+
+@T.macro
 def e2m1_value(code):
     """The float32 value of a 4-bit e2m1 code (an int32 in 0..15)."""
     m = code & 7
@@ -514,10 +544,20 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
                 # a whole tile. bfloat16: read and scale into a float32 tile, then one converting streaming copy per
                 # row (tegula_stream.h: rounded in hardware where the ISA has it, Out's lines not read before they
                 # are written); float32: read, scale and store in one pass (a streaming copy measured slower).
-                # Both decode e4m3 by a multiply (e4m3_value) unless the thread flushes subnormal operands
+                # Both decode e4m3 by a multiply unless the thread flushes subnormal operands: a tile with no NaN
+                # code whose scales times 2^120 are finite by e4m3_scaled (one multiply, no select), others by
+                # e4m3_value
                 load_in_scales(S, xs, r0, c0, NT, hidden, bt, bc, in_packed, BM, NB)
+                xs2 = T.alloc_fragment((BM, NB), "float32")
+                plain = T.alloc_fragment((1,), "int32")
+                plain[0] = 0
+                if subnormals_kept(hidden):
+                    e4m3_plain_tile(Q, xs, xs2, plain, r0, c0, BM, NB, W)
                 if out_dtype == "bfloat16":
-                    if subnormals_kept(hidden):
+                    if plain[0] == 1:
+                        for i, c, k in T.Parallel(BM, NB, bc):
+                            xf[i, c * bc + k] = e4m3_scaled(Q[r0 + i, c0 + c * bc + k], xs2[i, c])
+                    elif subnormals_kept(hidden):
                         for i, c, k in T.Parallel(BM, NB, bc):
                             xf[i, c * bc + k] = e4m3_value(Q[r0 + i, c0 + c * bc + k]) * xs[i, c]
                     else:
@@ -525,6 +565,9 @@ def cast_back(in_fmt, out_dtype, bt, bc, in_packed, W=2048, BM=1):
                             xf[i, c * bc + k] = T.cast(Q[r0 + i, c0 + c * bc + k], "float32") * xs[i, c]
                     for i in T.serial(BM):
                         T.copy(xf[i, 0:W], Out[r0 + i, c0:c0 + W], eviction_policy="evict_first")
+                elif plain[0] == 1:
+                    for i, c, k in T.Parallel(BM, NB, bc):
+                        Out[r0 + i, c0 + c * bc + k] = e4m3_scaled(Q[r0 + i, c0 + c * bc + k], xs2[i, c])
                 elif subnormals_kept(hidden):
                     for i, c, k in T.Parallel(BM, NB, bc):
                         Out[r0 + i, c0 + c * bc + k] = e4m3_value(Q[r0 + i, c0 + c * bc + k]) * xs[i, c]

@@ -508,6 +508,36 @@ def test_cast_back_every_e4m3_code(target, out, daz):
         assert torch.equal(bits, want.to(bits.dtype))
 
 
+@pytest.mark.parametrize("out", ["bf16", "fp32"])
+@pytest.mark.parametrize("daz", [False, True], ids=["plain", "flush_denormal"])
+def test_cast_back_nan_free_tiles(target, out, daz):
+    # whole 512-column tiles of every non-NaN e4m3 code: _quant_kernels.e4m3_scaled decodes a tile whose scales
+    # times 2^120 are finite (here < 2^8 in magnitude: 255.9, -0.3, a subnormal 1e-40, products below float32's
+    # normal range), the others (256 = 2^8, 3000, 1.5e30) and every tile under flush-denormal take e4m3_value;
+    # every value equals the reference (fails with a code's sign or magnitude bits misplaced, or the one-multiply
+    # decode taken where 2^120 sf overflows)
+    n = rows(target, 256)
+    codes = torch.cat([torch.arange(0, 127), torch.arange(128, 255)]).to(torch.int32)
+    codes = codes[torch.randint(0, codes.numel(), (n, 1024))].to(torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    sc = torch.tensor([1.0, 0.125, 255.9, -0.3, 1e-40, 3 * 2.0 ** -126, 2.0 ** -20, 256.0, 3000.0, 1.5e30])
+    s = sc[torch.randint(0, 7, (n, 8))]
+    s[: n // 2, 5] = sc[torch.randint(7, 10, (n // 2,))]  # half the rows: one scale in their second tile too big
+    ref = ref_cast_back(q, s, (1, 128), out)
+    if daz and not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        y = quant.cast_back((q, s), out, (1, 128))
+    finally:
+        torch.set_flush_denormal(False)
+    if daz:  # the reference did not flush: compare where neither the code, the scale nor the product is subnormal
+        keep = ((codes & 0x78) != 0) & (ref.float().abs() >= 2.0 ** -126)
+        keep &= s.repeat_interleave(128, dim=1).abs() >= 2.0 ** -126
+        assert_equal(y[keep], ref[keep])
+    else:
+        assert_equal(y, ref)
+
+
 def test_unpack_from_e2m1fn_x2(target):
     q, _ = ref_cast(randn(rows(target, 64), 576), "e2m1", (1, 32))
     assert_equal(quant.unpack_from_e2m1fn_x2(q), e2m1_decode(q))
