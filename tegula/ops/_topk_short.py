@@ -195,27 +195,46 @@ def short_macros(m):
         lim = m - 1
         if need < c_lo - c_hi:
             lim = nth_equal(b, mch, lo, need)
-        # one loop in the compress form over 16-bit keys and positions (m <= SHORT_MAX = 2^16): the c target
+        # loops in the compress form over 16-bit keys and positions (m <= SHORT_MAX = 2^16): the c target
         # appends 32 at a time with compressing stores (vpcompressw), where walking set bits costs a branch and
         # a mispredict per kept key. Left in k16 / p16: emit16 writes them out (widen16 first where sorted).
+        # Three loops, each on one compare: the groups of 32 wholly up to place lim keep every key >= lo, the
+        # group holding lim (and lim + 1) compares places too, the later ones keep the keys above lo (one loop
+        # on the whole condition: 3 compares a group, b1 8K k2048 ~14 cycles a group against ~9)
         lo_raw = T.cast(lo, raw_t)
-        # places in bk as int16, offset by 2^15 (the order of q is that of q - 2^15), compared in 16-bit lanes;
-        # the padding past m never passes (lim < m)
-        lim_q = T.cast(lim - 32768, raw_t)
+        ng = (m + 31) // 32
+        gl = (lim + 1) // 32
         w = T.cast(0, "int32")
-        q0 = T.cast(-32768, raw_t)
-        for g in T.serial((m + 31) // 32):
-            # groups of 32: the places are a 16-bit base (carried, not g * 32 - 2^15: gcc made that the 32-bit
-            # j again) plus constant lanes; narrowing a 32-bit j took a permute of two vectors per group
+        for g in T.serial(gl):
             for l in T.serial(32):
                 kv = b.bk[g * 32 + l]
                 pv = b.bp[g * 32 + l]   # (a local: the compress form computes its stored values for every key)
+                if kv >= lo_raw:
+                    b.k16[w] = kv
+                    b.p16[w] = pv
+                    w = w + 1
+        # places in bk as int16, offset by 2^15 (the order of q is that of q - 2^15), compared in 16-bit lanes;
+        # the padding past m never passes (lim < m)
+        lim_q = T.cast(lim - 32768, raw_t)
+        q0 = T.cast(gl * 32 - 32768, raw_t)
+        for g in T.serial(gl, T.min(gl + 1, ng)):
+            for l in T.serial(32):
+                kv = b.bk[T.cast(gl, "int64") * 32 + l]
+                pv = b.bp[T.cast(gl, "int64") * 32 + l]
                 q = q0 + T.cast(l, raw_t)
                 if (kv > lo_raw) | ((kv == lo_raw) & (q <= lim_q)):
                     b.k16[w] = kv
                     b.p16[w] = pv
                     w = w + 1
-            q0 = q0 + T.cast(32, raw_t)
+        for g in T.serial(gl + 1, ng):
+            for l in T.serial(32):
+                # (the place in 64 bits: gcc, under -fwrapv, left (g + gl + 1) * 32 + l in 32 bits unvectorised)
+                kv = b.bk[T.cast(g, "int64") * 32 + l]
+                pv = b.bp[T.cast(g, "int64") * 32 + l]
+                if kv > lo_raw:
+                    b.k16[w] = kv
+                    b.p16[w] = pv
+                    w = w + 1
         b.st[0] = w
 
     @T.macro
