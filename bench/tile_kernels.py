@@ -7,7 +7,9 @@ Every memory-bound row reads a working set of about --gib GiB (well beyond the l
 the ops' compiled kernels with outputs allocated once and reused; torch eager and compiled functions return fresh
 tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per second; "of copy BW" divides it by the
 plain OpenMP copy of the same working set ("copy GB/s"), sampled in turn with the row's contenders (the memory's speed
-on a shared host moves within a run), or for the latency rows by the copy measured at the start. The MoE routing rows
+on a shared host moves within a run), or for the latency rows by the copy measured at the start. "of run copy" divides
+it by the median of every copy sample of the run (all rows' samples together): on a host whose copy speed swings 2x
+within a row's few samples, a reference that does not move with them. The MoE routing rows
 are latency rows (a few MB), where ratios matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
 process CPU time a call takes, which that load disturbs far less than wall-clock time (GB/s are then per core).
@@ -226,6 +228,7 @@ def main(argv=None):
     comp = (lambda f: None) if args.no_compile else try_compile
     only = [s for s in args.only.split(",") if s]
     rows = []
+    copy_samples = []   # seconds per copy call, every memory-bound row's samples: the run's reference
 
     def bench(name, ours, eager, compiled, moved_bytes):
         if only and not any(name.startswith(o) for o in only):
@@ -244,14 +247,16 @@ def main(argv=None):
             fns["copy"] = copy_fn
         # the contenders sampled in turn (each sample >= 1 ms of calls, process_time's coarser ticks: 20 ms), so a
         # drift of the host's speed reaches every side alike
-        t = {k: timing_ms(v) for k, v in interleaved(fns, args.reps, clock, 2e-2 if args.clock == "cpu" else 1e-3,
-                                                      min_total_s=0.05).items()}
+        samples = interleaved(fns, args.reps, clock, 2e-2 if args.clock == "cpu" else 1e-3,
+                              min_total_s=0.05)
+        t = {k: timing_ms(v) for k, v in samples.items()}
+        copy_samples.extend(samples.get("copy", ()))
         t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
         copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9 if memory_bound else peak
         rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, gbs / copy_gbs, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,
-                     "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms])
+                     "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms, memory_bound])
         print(f"  {name}: {t_ours.median_ms:.1f} ms, {gbs:.2f} GB/s", flush=True)
 
     def wrap(f, *a):
@@ -362,10 +367,15 @@ def main(argv=None):
     bench("moe reduce_fused", lambda: kred(xe, tw4.view(-1), ttp4, red, one, one),
           lambda: reduce_ref(xe, tw4, ttp4), wrap(reduce_ref, xe, tw4, ttp4), red.numel() * 2 * (K + 1))
 
+    run_gbs = copy_moved / statistics.median(copy_samples) / 1e9 if copy_samples else None
+    if run_gbs is not None:
+        print(f"run copy: the median of {len(copy_samples)} copy samples over the run, {run_gbs:.1f} GB/s (the "
+              f"samples read {copy_moved / max(copy_samples) / 1e9:.1f}-{copy_moved / min(copy_samples) / 1e9:.1f})")
+    rows = [r[:6] + [r[3] / run_gbs if r[-1] and run_gbs else "-"] + r[6:-1] for r in rows]
     print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
                 f"{torch.get_num_threads()} threads, clock {args.clock} (medians of >= {args.reps} runs)",
-                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "eager ms", "eager/tegula",
-                 "compile ms", "compile/tegula"], rows)
+                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "of run copy", "eager ms",
+                 "eager/tegula", "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
 
 
