@@ -27,7 +27,7 @@ __all__ = ["topk", "get_stride_requirement"]
 MAX_TOPK = K.KMAX
 NAN_FLAG = K.NAN_FLAG
 SPLIT_MIN_SEGMENT = 1 << 17   # a row is split over cores only into segments of at least this many elements
-OUTPUT_BLOCK = 1 << 16        # a call's values and indices are cut from blocks of at most this many bytes,
+OUTPUT_BLOCK = 1 << 18        # a call's values and indices are cut from blocks of at most this many bytes,
 OUTPUT_POOL = 64              # at most this many a block,
 OUTPUT_POOL_MIN = 8           # where at least this many fit (else allocated one by one)
 _IDX_FILL, _VALUE_FILL = 2147483647, float("-inf")   # the defaults: a call passing these very objects (as one
@@ -61,7 +61,7 @@ def topk(input, topk: int, sorted: bool = False, begin=None, end=None, indices_t
     return_value=False skips the values: the result is (None, indices).
     Runs on the target TEGULA_TARGET names, else the best available (c where a C compiler is found).
     Returns (values or None, indices), both (batch, topk). Every call's values and indices are their own memory,
-    but small ones (up to 8 KiB) are cut from shared blocks of up to 64 KiB, so one kept alive keeps its block
+    but small ones (up to 32 KiB) are cut from shared blocks of up to 256 KiB, so one kept alive keeps its block
     alive (and ``torch.save`` of it writes the block; ``.clone()`` it to keep it alone).
     """
     # the common call, topk(x, k[, output_idx=]): its plan's launch under a short key; the flags are compared by
