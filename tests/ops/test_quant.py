@@ -480,6 +480,17 @@ def test_cast_back_partial_tile(target):
     assert_equal(quant.cast_back((q, s), "bf16", (1, 128)), ref_cast_back(q, s, (1, 128), "bf16"))
 
 
+def _cast_back_flushing(q, s, out, daz):
+    """quant.cast_back((q, s), out, (1, 128)), this thread flushing subnormal operands (DAZ) where ``daz`` (the test
+    skipped where the CPU has no such mode)."""
+    if daz and not torch.set_flush_denormal(True):
+        pytest.skip("no flush-denormal mode on this CPU")
+    try:
+        return quant.cast_back((q, s), out, (1, 128))
+    finally:
+        torch.set_flush_denormal(False)
+
+
 @pytest.mark.parametrize("out", ["bf16", "fp32"])
 @pytest.mark.parametrize("daz", [False, True], ids=["plain", "flush_denormal"])
 def test_cast_back_every_e4m3_code(target, out, daz):
@@ -493,12 +504,7 @@ def test_cast_back_every_e4m3_code(target, out, daz):
     q = codes.view(torch.float8_e4m3fn)
     s = torch.tensor([1.0, 0.125, 0.7, 3000.0, 2.0 ** -20, 1.5e30])[torch.randint(0, 6, (n, 4))]
     ref = ref_cast_back(q, s, (1, 128), out)
-    if daz and not torch.set_flush_denormal(True):
-        pytest.skip("no flush-denormal mode on this CPU")
-    try:
-        y = quant.cast_back((q, s), out, (1, 128))
-    finally:
-        torch.set_flush_denormal(False)
+    y = _cast_back_flushing(q, s, out, daz)
     nan = (codes & 0x7F) == 0x7F
     assert_equal(y[~nan], ref[~nan])
     assert y[nan].isnan().all()
@@ -524,12 +530,7 @@ def test_cast_back_nan_free_tiles(target, out, daz):
     s = sc[torch.randint(0, 7, (n, 8))]
     s[: n // 2, 5] = sc[torch.randint(7, 10, (n // 2,))]  # half the rows: one scale in their second tile too big
     ref = ref_cast_back(q, s, (1, 128), out)
-    if daz and not torch.set_flush_denormal(True):
-        pytest.skip("no flush-denormal mode on this CPU")
-    try:
-        y = quant.cast_back((q, s), out, (1, 128))
-    finally:
-        torch.set_flush_denormal(False)
+    y = _cast_back_flushing(q, s, out, daz)
     if daz:  # the reference did not flush: compare where neither the code, the scale nor the product is subnormal
         keep = ((codes & 0x78) != 0) & (ref.float().abs() >= 2.0 ** -126)
         keep &= s.repeat_interleave(128, dim=1).abs() >= 2.0 ** -126
