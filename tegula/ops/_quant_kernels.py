@@ -25,6 +25,7 @@ CLAMP_MIN = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126, "e5m6": 1e-4}
 IN_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "e4m3": "float8_e4m3fn", "e2m1": "uint8"}
 OUT_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "uint8", "e5m6": "uint32"}
 ROUND_SF, PACKED_SF = 1, 2  # bits of the ``flags`` argument
+TWO_120 = 2.0 ** 120  # e4m3 codes as float32 bits are 2^-120 times their value
 
 
 # per-element and per-group helpers --------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def e4m3_value(q):
     ``subnormals_kept`` first."""
     b = T.cast(T.reinterpret(q, "uint8"), "uint32")
     sgn = (b << 24) & 0x80000000
-    v = T.reinterpret(sgn | ((b << 20) & 0x07F00000), "float32") * 1.329227995784916e36
+    v = T.reinterpret(sgn | ((b << 20) & 0x07F00000), "float32") * TWO_120
     return T.if_then_else((b & 0x7F) == 0x7F, T.reinterpret(sgn | 0x7FF00000, "float32"), v)
 
 
@@ -113,7 +114,7 @@ def e4m3_value(q):
 def subnormals_kept(n):
     """True where this thread's float multiply keeps a subnormal operand (no DAZ); ``n`` a non-negative runtime
     integer (the compiler must not fold the product: it would not see the thread's mode)."""
-    return T.reinterpret((n >> 31) | 1, "float32") * 1.329227995784916e36 > 0.0
+    return T.reinterpret((n >> 31) | 1, "float32") * TWO_120 > 0.0
 
 
 @T.macro
@@ -140,7 +141,7 @@ def e4m3_plain_tile(Q, xs, xs2, ok, r0, c0, BM, NB, W):
                 qm[m] = T.max(qm[m], T.reinterpret(Q[r0 + i, c0 + j * 64 + m], "uint8") & 0x7F)
     T.reduce_max(T.reshape(qm, (1, 64)), qt, dim=1)
     for i, c in T.Parallel(BM, NB):
-        xs2[i, c] = xs[i, c] * 1.329227995784916e36
+        xs2[i, c] = xs[i, c] * TWO_120
     T.reduce_absmax(T.reshape(xs2, (1, BM * NB)), big, dim=1)
     if qt[0] < 0x7F and big[0] < T.infinity("float32"):
         ok[0] = 1
