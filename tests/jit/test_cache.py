@@ -71,6 +71,17 @@ def test_key_includes_host_isa(fresh_cache, monkeypatch):
     assert len(glob.glob(os.path.join(str(fresh_cache), "kernels", "*", "*", "main.so"))) == 2
 
 
+def test_vector_width_follows_the_host_and_yields_to_tegula_cflags(monkeypatch):
+    monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert "-mprefer-vector-width=512" in cpu.flags()
+    monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not any(f.startswith("-mprefer-vector-width") for f in cpu.flags())
+    monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.setenv("TEGULA_CFLAGS", "-mprefer-vector-width=256")
+    fl = cpu.flags()   # gcc and clang take the last of repeated -m options: the user's
+    assert fl.index("-mprefer-vector-width=256") > fl.index("-mprefer-vector-width=512")
+
+
 def test_changed_emitted_source_misses_the_disk_cache(fresh_cache, monkeypatch):
     # same IR text, toolchain and prelude, but the emitter now writes another source (a compiler change): the binary
     # built from the old source must not be loaded
