@@ -420,10 +420,13 @@ def _macros(bits):
         # sampler from DRAM +5% without it)
         pipe = not (raw_src and bits == 16)
         for blk in (T.Pipelined(nblk, num_stages=2) if pipe else T.serial(nblk)):
-            if dense and raw_src and bits == 16 and isinstance(lo, int) and lo == 0:
-                # rows_kernel's pass2_dense scan reads the row in place, no staging copy to xb (b1 8K k512 kernel
-                # -7..-20%). The test always holds (hi <= n) and lets the element reads go unguarded; no other
-                # branch (a copying one beside it made the other scans' code 5-9% slower: b1 128K / 1M k512)
+            if raw_src and bits == 16 and isinstance(lo, int) and lo == 0:
+                # rows_kernel's scans read the row in place, no staging copy to xb: pass2_dense's first (b1 8K k512
+                # kernel -7..-20% on a Zen 4), then all (on an Intel Xeon the copy, glibc's rep movsb of 4 KiB,
+                # took 2/3 of b16 1M k512's time; 1 thread: b16 1M k512 5.49 -> 4.71 ms, k2048 6.23 -> 4.99, b64
+                # 128K k512 3.74 -> 2.96). The test always holds (hi <= n) and lets the element reads go unguarded;
+                # no other branch (a copying one beside it made the other scans' code 5-9% slower). parts_kernel's
+                # segments (lo an expression) still copy: in place they measured ~5% slower on b1 1M (noisy)
                 if blk * BLOCK + (BLOCK - 1) < src.shape[1]:
                     xr = _RowView(src, row, blk * BLOCK)
                     for q in T.serial(BLOCK // CHUNK):
