@@ -4,8 +4,8 @@ Values are read as raw bits (int16 for bf16/fp16, int32 for fp32) and become ord
 ``key = v ^ ((v >> 31) & low_mask)`` on the sign-extended bits flips the magnitude of negative numbers, so that
 integer order is float order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN) and the map is its own inverse.
 
-A block reads its range in BLOCKs (32-bit rows through a T.Pipelined loop: the CPU target prefetches the next
-one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a
+A block reads its range in BLOCKs (16-bit rows in place; 32-bit rows copied through a T.Pipelined loop: the CPU
+target prefetches the next one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a
 chunk whose largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (SUB16
 for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appending exactly the survivors, in
 index order, to the candidate buffer (16-bit rows where a sampled threshold lets many keys pass: compressing
@@ -411,8 +411,8 @@ def _macros(bits):
         """Append the keys of positions [lo, hi) of src[row, :] that beat the threshold st[1] (with their
         indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
         Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check). The input
-        comes in BLOCKs (through a T.Pipelined loop but for 16-bit rows: the CPU target prefetches the next
-        block meanwhile)."""
+        comes in BLOCKs: 16-bit rows read in place, the rest copied to xb through a T.Pipelined loop (the CPU
+        target prefetches the next block meanwhile)."""
         xb = b.xs if raw_src else b.ws
         nblk = (hi - lo) // BLOCK
         # 16-bit rows: a plain loop; the software prefetch of the next block cost more than it saved there
@@ -420,17 +420,17 @@ def _macros(bits):
         # sampler from DRAM +5% without it)
         pipe = not (raw_src and bits == 16)
         for blk in (T.Pipelined(nblk, num_stages=2) if pipe else T.serial(nblk)):
-            if raw_src and bits == 16 and isinstance(lo, int) and lo == 0:
-                # rows_kernel's scans read the row in place, no staging copy to xb: pass2_dense's first (b1 8K k512
-                # kernel -7..-20% on a Zen 4), then all (on an Intel Xeon the copy, glibc's rep movsb of 4 KiB,
-                # took 2/3 of b16 1M k512's time; 1 thread: b16 1M k512 5.49 -> 4.71 ms, k2048 6.23 -> 4.99, b64
-                # 128K k512 3.74 -> 2.96). The test always holds (hi <= n) and lets the element reads go unguarded;
-                # no other branch (a copying one beside it made the other scans' code 5-9% slower). parts_kernel's
-                # segments (lo an expression) still copy: in place they measured ~5% slower on b1 1M (noisy)
-                if blk * BLOCK + (BLOCK - 1) < src.shape[1]:
-                    xr = _RowView(src, row, blk * BLOCK)
+            if raw_src and bits == 16:
+                # the row is read in place, no staging copy to xb: pass2_dense's scan first (b1 8K k512 kernel
+                # -7..-20% on a Zen 4), then all (on an Intel Xeon the copy, glibc's rep movsb of 4 KiB, took 2/3
+                # of b16 1M k512's time and 1/2 of b1 1M's segments; 1 thread: b16 1M k512 5.49 -> 4.71 ms, k2048
+                # 6.23 -> 4.99, b64 128K k512 3.74 -> 2.96). The test always holds (hi <= n) and lets the element
+                # reads go unguarded; no other branch (a copying one beside it made the other scans' code 5-9%
+                # slower)
+                if lo + blk * BLOCK + (BLOCK - 1) < src.shape[1]:
+                    xr = _RowView(src, row, lo + blk * BLOCK)
                     for q in T.serial(BLOCK // CHUNK):
-                        chunk(b, xr, q * CHUNK, blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2, dense)
+                        chunk(b, xr, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2, dense)
             else:
                 T.copy(src[row, lo + blk * BLOCK], xb)   # a whole-tile copy: one bounds test, not one per element
                 for q in T.serial(BLOCK // CHUNK):

@@ -10,6 +10,8 @@
  * elsewhere plain C that walks the set bits.
  * 16-bit integers go 32 per group (tg_mask32_16, tg_compress32_16): vpcompressw where AVX-512 VBMI2 is, else
  * plain C.
+ * The masks take lanes that are 0 or -1 (the emitter writes -(condition)): AVX-512 reads their sign bits
+ * (vpmovd2m / vpmovw2m, a port-0 uop on Intel, where vptestm took port 5 beside the compares and compresses).
  * Their 32 lanes are read by one 512-bit load: in the emitter's loops gcc keeps the lanes in registers and drops
  * the store and load (read as two 256-bit halves, it joined two extracted halves again: an extract and an insert
  * per operand and group, 3% of the b1 8K k2048 top-k kernel). */
@@ -36,9 +38,11 @@
         }                                        \
     } while (0)
 
-/* bit l of the result is set when m[l] != 0 */
+/* bit l of the result is set when m[l] != 0 (m[l] is 0 or -1) */
 static inline uint32_t tg_mask16(const int32_t *m) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    return (uint32_t)_mm512_movepi32_mask(_mm512_loadu_si512((const void *)m));
+#elif defined(__AVX512F__)
     __m512i v = _mm512_loadu_si512((const void *)m);
     return (uint32_t)_mm512_test_epi32_mask(v, v);
 #elif defined(__AVX2__) && defined(__BMI2__)
@@ -55,12 +59,11 @@ static inline uint32_t tg_mask16(const int32_t *m) {
 #endif
 }
 
-/* bit l of the result is set when m[l] != 0, for 16 lanes of 16 bits (conditions on 16-bit operands: their vector
+/* bit l of the result is set when m[l] != 0 (0 or -1), for 16 lanes of 16 bits (conditions on 16-bit operands: their vector
  * compare gives 16-bit lanes, twice as many per register as 32-bit ones) */
 static inline uint32_t tg_mask16_16(const int16_t *m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m256i v = _mm256_loadu_si256((const __m256i *)m);
-    return (uint32_t)_mm256_test_epi16_mask(v, v);
+    return (uint32_t)_mm256_movepi16_mask(_mm256_loadu_si256((const __m256i *)m));
 #elif defined(__AVX2__) && defined(__BMI2__)
     __m256i v = _mm256_loadu_si256((const __m256i *)m);
     __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));   /* lanes in order */
@@ -100,11 +103,10 @@ static inline void tg_compress16_32(void *dst, const void *src, uint32_t mask) {
 #endif
 }
 
-/* bit l of the result is set when m[l] != 0, for 32 lanes of 16 bits */
+/* bit l of the result is set when m[l] != 0 (0 or -1), for 32 lanes of 16 bits */
 static inline uint32_t tg_mask32_16(const int16_t *m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512i v = _mm512_loadu_si512((const void *)m);
-    return (uint32_t)_mm512_test_epi16_mask(v, v);
+    return (uint32_t)_mm512_movepi16_mask(_mm512_loadu_si512((const void *)m));
 #else
     return tg_mask16_16(m) | (tg_mask16_16(m + 16) << 16);
 #endif
