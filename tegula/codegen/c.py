@@ -73,10 +73,10 @@ class CEmitter(CFamilyEmitter):
         self.grid_body(k)
         params = self.params + [f"{t} {n}" for t, n, _ in outer] + [
             "const int64_t tg_gx", "const int64_t tg_gy", "const int64_t tg_gz", "int64_t *tg_next",
-            "const int64_t tg_chunk"]
+            "const int64_t tg_chunk", "const int tg_solo"]
         self.helpers += [f"static void {name}({', '.join(params)}) {{"] + self.lines + ["}", ""]
         self.lines, self.ind, self.outer = lines, ind, outer
-        call = f"{name}({', '.join(self.args + args + ['tg_gx', 'tg_gy', 'tg_gz', '&tg_next', 'tg_chunk'])});"
+        call = f"{name}({', '.join(self.args + args + ['tg_gx', 'tg_gy', 'tg_gz', '&tg_next', 'tg_chunk'])}, {{}});"
         self.w("{")
         self.ind += 1
         self.w(f"const int64_t tg_gx = {gx}, tg_gy = {gy}, tg_gz = {gz};")
@@ -84,10 +84,10 @@ class CEmitter(CFamilyEmitter):
         self.w("const int64_t tg_chunk = tg_chunk_for(tg_gx * tg_gy * tg_gz, tg_nt);")
         self.w("int64_t tg_next = 0;   /* the first block not yet taken */")
         self.w("if (tg_nt == 1) {")
-        self.w("  " + call)
+        self.w("  " + call.format(1))
         self.w("} else {")
         self.w("  #pragma omp parallel num_threads(tg_nt)")
-        self.w("  " + call)
+        self.w("  " + call.format(0))
         self.w("}")
         self.ind -= 1
         self.w("}")
@@ -109,7 +109,7 @@ class CEmitter(CFamilyEmitter):
                 offset += _round64(n * b.dtype.itemsize)
             else:
                 self.w(f"{ct} {self.nm(b)}[{n}] __attribute__((aligned(64)));")
-        self.w("for (int64_t tg_lo, tg_hi; tg_grab(tg_next, tg_chunk, tg_nblocks, &tg_lo, &tg_hi);) {")
+        self.w("for (int64_t tg_lo, tg_hi; tg_grab(tg_next, tg_chunk, tg_nblocks, tg_solo, &tg_lo, &tg_hi);) {")
         self.w("  for (int64_t tg_b = tg_lo; tg_b < tg_hi; ++tg_b) {")
         self.ind += 2
         self.w(f"const int32_t {bx} = (int32_t)(tg_b % tg_gx);")
