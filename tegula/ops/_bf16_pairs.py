@@ -85,10 +85,12 @@ def e4m3_pair(ve, vo):
 
 
 @T.macro
-def e4m3_magnitudes(se, so):
-    """The e4m3 magnitude codes of two e4m3_sum results in one uint32: se's in bits 0..6, so's in bits 8..14 (the
-    low byte of se + (se >> 20), bits 8..15 of (so << 8) + (so >> 12)); the signs go in bits 7 and 15."""
-    return ((se + (se >> 20)) & 0x7F) | (((so << 8) + (so >> 12)) & 0x7F00)
+def e4m3_pair_bits(se, so, signs):
+    """The e4m3 codes of two e4m3_sum results as one uint16, se's in the low byte: bits 16..23 of (se << 16) + (se
+    >> 4) are the low byte of se + (se >> 20), bits 24..31 of (so << 24) + (so << 4) that of so + (so >> 20) (no
+    carry into either: the terms below are zero); ``signs`` holds the two signs at bits 23 and 31."""
+    c = (((se << 16) + (se >> 4)) & 0x7F0000) | (((so << 24) + (so << 4)) & 0x7F000000) | signs
+    return T.cast(c >> 16, "uint16")
 
 
 @T.macro
@@ -97,9 +99,8 @@ def e4m3_pair_values(ve, vo):
     on two values instead of a word's elements."""
     se = e4m3_sum(ve)
     so = e4m3_sum(vo)
-    c = e4m3_magnitudes(se, so)
-    return T.cast(c | ((T.reinterpret(ve, "uint32") >> 24) & 0x80) | ((T.reinterpret(vo, "uint32") >> 16) & 0x8000),
-                  "uint16")
+    return e4m3_pair_bits(se, so, ((T.reinterpret(ve, "uint32") >> 8) & 0x800000)
+                          | (T.reinterpret(vo, "uint32") & 0x80000000))
 
 
 @T.macro
@@ -113,8 +114,7 @@ def e4m3_pair_finite2(w, inv_e, inv_o):
     """e4m3_pair_finite with a scale per element: even(w) * inv_e and odd(w) * inv_o."""
     so = e4m3_sum(odd(w) * inv_o)
     se = e4m3_sum(even(w) * inv_e)
-    c = e4m3_magnitudes(se, so)
-    return T.cast(c | ((w >> 8) & 0x80) | ((w >> 16) & 0x8000), "uint16")
+    return e4m3_pair_bits(se, so, ((w << 8) & 0x800000) | (w & 0x80000000))
 
 
 @T.macro
