@@ -5,17 +5,17 @@ Values are read as raw bits (int16 for bf16/fp16, int32 for fp32) and become ord
 integer order is float order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN) and the map is its own inverse.
 
 A block reads its range in BLOCKs (16-bit rows in place; 32-bit rows copied through a T.Pipelined loop: the CPU
-target prefetches the next one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's largest key; only a
-chunk whose largest key beats the threshold gets a second pass, which builds one bit mask per SUB keys (SUB16
-for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appending exactly the survivors, in
-index order, to the candidate buffer (16-bit rows where a sampled threshold lets many keys pass: compressing
-stores instead, pass2_dense). When the buffer holds k + b2 entries a select finds the k-th largest key
-(a search over the candidates' own key range, each step one vectorised count of the candidates above a key),
-keeps the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows
-up to SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys (in short runs); short
-16-bit rows with k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k
-in one more pass (short_row, in _topk_short; by compressing stores of 16-bit keys and positions). Candidates stay
-in index order, so indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
+target prefetches the next one) and filters them in chunks of CHUNK keys. A first vectorised pass takes each lane's
+largest key; only a chunk whose largest key beats the threshold gets a second pass, which builds one bit mask per
+SUB keys (SUB16 for 16-bit rows; T.reduce_sum of distinct bits) whose set bits T.clz walks, appending exactly the
+survivors, in index order, to the candidate buffer (16-bit rows where a sampled threshold lets many keys pass:
+compressing stores instead, pass2_dense). When the buffer holds k + b2 entries a select finds the k-th largest key
+(a search over the candidates' own key range, each step one vectorised count of the candidates above a key), keeps
+the k largest (ties: lower index first) and makes that key the threshold (DeepSelect's scheme). Rows up to
+SAMPLE * k long start from a threshold estimated on SAMPLE evenly spaced keys (in short runs); short 16-bit rows
+with k >= n / 8 instead find the exact k-th key by counting passes over the row and keep their top k in one more
+pass (short_row, in _topk_short; by compressing stores of 16-bit keys and positions). Candidates stay in index order, so
+indices come out ascending unless values are sorted (an LSD radix sort on 8-bit digits, stable).
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block

@@ -59,8 +59,8 @@ static inline uint32_t tg_mask16(const int32_t *m) {
 #endif
 }
 
-/* bit l of the result is set when m[l] != 0 (0 or -1), for 16 lanes of 16 bits (conditions on 16-bit operands: their vector
- * compare gives 16-bit lanes, twice as many per register as 32-bit ones) */
+/* bit l of the result is set when m[l] != 0 (0 or -1), for 16 lanes of 16 bits (conditions on 16-bit operands:
+ * their vector compare gives 16-bit lanes, twice as many per register as 32-bit ones) */
 static inline uint32_t tg_mask16_16(const int16_t *m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return (uint32_t)_mm256_movepi16_mask(_mm256_loadu_si256((const __m256i *)m));
