@@ -9,6 +9,8 @@ columns l, l + 32, ...) accumulated in column order, then the lanes pairwise (l 
 """
 from __future__ import annotations
 
+import math
+
 import tegula.language as T
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import (PACKED_SF, ROUND_SF, e4m3_in_range, group_scales, scale_of,
@@ -63,16 +65,22 @@ def left_top(X, r0, big, top, clamp, BM, H, use_clamp):
 def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
     """yv = silu(left) * right (* wr) of rows r0.., read from X in place, 0 in rows not ok; mid: every |left| <
     MID (exp_mid)."""
-    for i, j in T.Parallel(BM, H):
-        lv = T.cast(X[r0 + i, j], "float32")
-        rv = T.cast(X[r0 + i, H + j], "float32")
-        if use_clamp:
-            lv = T.if_then_else(lv > clamp, clamp, lv)
-            rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
-        v = lv / (1.0 + (exp_mid(-lv) if mid else exp_f32(-lv))) * rv
-        if with_weight:
-            v = v * wr[i]
-        yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
+    CW = math.gcd(H, 256)
+    pf = T.alloc_fragment((BM, CW), X.dtype)
+    for c in T.Pipelined(H // CW, num_stages=2):
+        T.copy(X[r0 + BM, c * CW], pf)
+        T.copy(X[r0 + BM, H + c * CW], pf)
+        for i, jj in T.Parallel(BM, CW):
+            j = c * CW + jj
+            lv = T.cast(X[r0 + i, j], "float32")
+            rv = T.cast(X[r0 + i, H + j], "float32")
+            if use_clamp:
+                lv = T.if_then_else(lv > clamp, clamp, lv)
+                rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
+            v = lv / (1.0 + (exp_mid(-lv) if mid else exp_f32(-lv))) * rv
+            if with_weight:
+                v = v * wr[i]
+            yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
 
 
 @T.macro
