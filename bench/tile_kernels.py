@@ -45,7 +45,7 @@ from tegula.ops import _moe_kernels as MK  # noqa: E402
 from tegula.ops import _quant_kernels as QK  # noqa: E402
 from tegula.ops import _quant_pairs as QP  # noqa: E402
 from tegula.ops import _swiglu, _tk, moe, norm, quant  # noqa: E402
-from tegula.ops.rope import rope_kernel  # noqa: E402
+from tegula.ops.rope import rope_kernel, streams_in_place  # noqa: E402
 
 # torch peers: the plain eager formulation of each op ----------------------------------------------------------------
 
@@ -329,7 +329,7 @@ def main(argv=None):
     q = x.view(nq, heads, d)
     cs = torch.randn(8192, 64)
     pos = torch.randint(0, 8192, (nq,))
-    kr = lazy(rope_kernel, "bfloat16", "float32", d, 64, False, False, True)
+    kr = lazy(rope_kernel, "bfloat16", "float32", d, 64, False, False, True, streams_in_place())  # as the op
     pos32 = pos.int()
     bench("rope neox in place", lambda: kr(q, pos32, cs, nq, 0), lambda: rope_ref(q, cs, pos),
           wrap(rope_ref, q, cs, pos), nq * heads * 64 * 2 * 2)

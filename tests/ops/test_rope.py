@@ -64,11 +64,14 @@ def test_apply_rotary(target, case):
     assert_equal(k.contiguous(), rk.contiguous())
 
 
+@pytest.mark.parametrize("streams", [True, False])
 @pytest.mark.parametrize("dtype,inter", [(torch.bfloat16, False), (torch.float32, True)])
-def test_streamed_write_back(dtype, inter):
+def test_streamed_write_back(dtype, inter, streams, monkeypatch):
     """Calls rotating >= rope.STREAM_MIN values write each head's rotated dims back by streaming copies (bfloat16:
-    the prelude's converting copy): heads not a multiple of the 4-head tiles, a slice of a fused qkv row (head
-    dims beyond rot_dim untouched), cache entries that make subnormal and tie results."""
+    the prelude's converting copy) where rope.streams_in_place(), else by plain stores: heads not a multiple of the
+    4-head tiles, a slice of a fused qkv row (head dims beyond rot_dim untouched), cache entries that make
+    subnormal and tie results."""
+    monkeypatch.setattr(rope, "_STREAMS", streams)
     nh, d, r = 18, 128, 64
     n = -(-rope.STREAM_MIN // (nh * r)) + 3
     qkv = torch.randn(n, (nh + 2) * d).to(dtype)
