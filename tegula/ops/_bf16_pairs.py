@@ -27,6 +27,12 @@ def odd(w):
 
 
 @T.macro
+def odd_abs(w):
+    """|odd(w)|: one and (a product by a positive scale then needs no sign mask: the callers' ``nonneg``)."""
+    return T.reinterpret(w & 0x7FFF0000, "float32")
+
+
+@T.macro
 def abs_max(w, m):
     """max(m, |even(w)|, |odd(w)|), each step ``a > m ? a : m`` (NaN ignored, as T.reduce_absmax)."""
     a = T.abs(even(w))
@@ -59,11 +65,11 @@ def bf16_pair(ve, vo):
 
 
 @T.macro
-def e4m3_sum(v):
+def e4m3_sum(v, nonneg=False):
     """The rounded sum s of |v| whose low byte plus bits 20..27 is |v|'s e4m3 code (|v| < 464): |v| plus the float
     2^20 e (e its binade, at least 2^-6, the subnormal codes sharing 2^-6's spacing) and 152 steps of that sum's
-    last place, which rounds |v| to nearest even at its code spacing in hardware."""
-    a = T.reinterpret(v, "uint32") & 0x7FFFFFFF
+    last place, which rounds |v| to nearest even at its code spacing in hardware. ``nonneg``: v's sign bit is 0."""
+    a = T.reinterpret(v, "uint32") if nonneg else T.reinterpret(v, "uint32") & 0x7FFFFFFF
     e = T.max(a & 0x7F800000, T.cast(0x3C800000, "uint32"))
     return T.reinterpret(T.reinterpret(a, "float32") + T.reinterpret(e + ((20 << 23) + 152), "float32"), "uint32")
 
@@ -112,7 +118,7 @@ def mag_max(ve, vo):
 @T.macro
 def e4m3_pair_finite2(w, inv_e, inv_o):
     """e4m3_pair_finite with a scale per element: even(w) * inv_e and odd(w) * inv_o."""
-    so = e4m3_sum(odd(w) * inv_o)
+    so = e4m3_sum(odd_abs(w) * inv_o, True)
     se = e4m3_sum(even(w) * inv_e)
     return e4m3_pair_bits(se, so, ((w << 8) & 0x800000) | (w & 0x80000000))
 

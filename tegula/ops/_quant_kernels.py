@@ -73,9 +73,10 @@ def e2m1_code(v):
 
 
 @T.macro
-def e2m1_sum(v):
-    """e2m1_code's sum s, whose s + (s >> 22) holds |v|'s code in its low 3 bits."""
-    c = T.min(T.reinterpret(v, "uint32") & 0x7FFFFFFF, T.cast(0x40C00000, "uint32"))
+def e2m1_sum(v, nonneg=False):
+    """e2m1_code's sum s, whose s + (s >> 22) holds |v|'s code in its low 3 bits. ``nonneg``: v's sign bit is 0."""
+    c = T.min(T.reinterpret(v, "uint32") if nonneg else T.reinterpret(v, "uint32") & 0x7FFFFFFF,
+              T.cast(0x40C00000, "uint32"))
     e = T.max(c & 0x7F800000, T.cast(0x3F800000, "uint32"))
     return T.reinterpret(T.reinterpret(c, "float32") + T.reinterpret(e + ((22 << 23) + 6), "float32"), "uint32")
 

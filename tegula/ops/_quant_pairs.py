@@ -179,7 +179,7 @@ def _e2m1_pair_finite(w, inv):
     """_e2m1_pair for inv > 0 (products keep w's signs): odd's code shifted into bits 4..6 as (so << 4) + (so >>
     18) (no carry out of the low 4 bits), the signs w's bits 15 and 31 moved to 3 and 7."""
     se = e2m1_sum(P.even(w) * inv)
-    so = e2m1_sum(P.odd(w) * inv)
+    so = e2m1_sum(P.odd_abs(w) * inv, True)
     return ((se + (se >> 22)) & 7) | (((so << 4) + (so >> 18)) & 0x70) | ((w >> 12) & 8) | ((w >> 24) & 0x80)
 
 
