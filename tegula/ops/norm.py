@@ -305,9 +305,10 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
     also copied from the next row into a tile nothing reads (the compiler drops the copy), which the pipelined
     group loop of _pair_products precedes by a prefetch, so the next row's first pass finds its chunk in cache
     (a chunk's 33 prefetches issued together held 20% of the kernel's samples on this Intel Xeon; spread over the
-    groups, 1 thread CPU time, a C copy of the kernel, 6 process pairs: new / old 0.91-1.03, median 0.955). Earlier, on a Zen 4, 1 thread CPU time, 18688 x 7168 /128,
-    alternated with rmsnorm_cast_kernel in one process: 52.5 -> 47.2 ms (1.42 -> 1.28 cycles/value) without the
-    prefetch; with it, RB 4 / 16 / 32 / 64 measured 0.879 / 0.847 / 0.828 / 0.829 of rmsnorm_cast_kernel's time."""
+    groups, 1 thread CPU time, a C copy of the kernel, 6 process pairs: new / old 0.91-1.03, median 0.955).
+    Earlier, on a Zen 4, 1 thread CPU time, 18688 x 7168 /128, alternated with rmsnorm_cast_kernel in one process:
+    52.5 -> 47.2 ms (1.42 -> 1.28 cycles/value) without the prefetch; with it, RB 4 / 16 / 32 / 64 measured 0.879 /
+    0.847 / 0.828 / 0.829 of rmsnorm_cast_kernel's time."""
     NT, H2, XST = T.dynamic("num_tokens"), T.dynamic("hidden2"), T.dynamic("x_stride2")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     maxv, cmin = FMT_MAX["e4m3"], CLAMP_MIN["e4m3"]
