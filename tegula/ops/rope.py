@@ -30,24 +30,20 @@ _DT = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16"
 STREAM_MIN = _tk.STREAM_MIN  # calls rotating at least this many values write them back with streaming stores
 
 
+# hosts whose cores write a rotated run back better without streaming stores (by /proc/cpuinfo's vendor_id); every
+# other host streams. Intel: a streaming store to a line the tile has just read (in place: always) first evicts that
+# line, and on an Intel Xeon (2 cores, KVM) the streamed kernel took 1.37x the plain one's time (1 thread CPU time,
+# 33.3 / 33.3 / 33.7 against 24.2 / 24.2 / 26.7 ms; 2 threads wall 16.2-17.4 against 12.3-13.0 ms; 18688 x 7168
+# bf16 as (tokens, 16, 128), NeoX over 64 dims). On a Zen 4 the streaming copy came with the prefetch of da2cfdc
+# (together 0.53x) and stays.
+NO_STREAMING_IN_PLACE = frozenset({"GenuineIntel"})
+
+
 def streams_in_place() -> bool:
-    """Whether this host writes a rotated run back with streaming stores (see rope_kernel). Not on Intel: a
-    streaming store to a line the tile has just read (in place: always) first evicts that line, and on this
-    session's Xeon (2 cores, KVM) the streamed kernel took 1.37x the plain one's time (1 thread CPU time, 33.3 /
-    33.3 / 33.7 against 24.2 / 24.2 / 26.7 ms; 2 threads wall 16.2-17.4 against 12.3-13.0 ms; 18688 x 7168 bf16 as
-    (tokens, 16, 128), NeoX over 64 dims). On Zen 4 the streaming copy came with the prefetch of da2cfdc (together
-    0.53x) and stays."""
-    global _STREAMS
-    if _STREAMS is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                _STREAMS = "GenuineIntel" not in f.read(4096)
-        except OSError:
-            _STREAMS = True
-    return _STREAMS
-
-
-_STREAMS = None
+    """Whether this host writes a rotated run back with streaming stores (see rope_kernel and
+    NO_STREAMING_IN_PLACE)."""
+    from tegula.runtime import cpu
+    return cpu.host_vendor() not in NO_STREAMING_IN_PLACE
 
 
 def rope_kernel(dtype, cache_dtype, D, R, interleaved, conjugate, use_pos, streaming=True, BT=16, HB=4):

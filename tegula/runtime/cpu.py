@@ -51,19 +51,34 @@ def _compiler_info(cc: str) -> tuple[str, bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def host_isa() -> str:
-    """What -march=native will target: the machine and its CPU feature flags."""
-    flags = ""
+def _cpuinfo() -> tuple[dict, str]:
+    """The first processor's lines of /proc/cpuinfo up to its feature flags: ({key: value}, the model name and flags
+    lines as they read) (empty where it cannot be read). What host_isa, host_vendor and vector_flags read."""
+    info, lines = {}, ""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
                 if line.startswith(("flags", "Features", "model name")):
-                    flags += line
+                    lines += line
                 if line.startswith(("flags", "Features")):
                     break
     except OSError:
         pass
-    return platform.machine() + ":" + hashlib.sha256(flags.encode()).hexdigest()[:16]
+    return info, lines
+
+
+@functools.lru_cache(maxsize=None)
+def host_isa() -> str:
+    """What -march=native will target: the machine and its CPU feature flags."""
+    return platform.machine() + ":" + hashlib.sha256(_cpuinfo()[1].encode()).hexdigest()[:16]
+
+
+def host_vendor() -> str:
+    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD", ...; "" where /proc/cpuinfo does not say): for
+    ops whose best form differs between vendors' memory systems (tegula.ops.rope's streaming write-back)."""
+    return _cpuinfo()[0].get("vendor_id", "")
 
 
 def available() -> tuple[bool, str]:
@@ -75,17 +90,10 @@ def available() -> tuple[bool, str]:
     return True, f"{ident}{'' if omp else ' (no OpenMP: grids run on one core)'}"
 
 
-@functools.lru_cache(maxsize=None)
 def _host_flags() -> frozenset:
     """The CPU feature flags /proc/cpuinfo lists (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    info = _cpuinfo()[0]
+    return frozenset(info.get("flags", info.get("Features", "")).split())
 
 
 def vector_flags() -> list[str]:

@@ -71,7 +71,9 @@ def test_streamed_write_back(dtype, inter, streams, monkeypatch):
     the prelude's converting copy) where rope.streams_in_place(), else by plain stores: heads not a multiple of the
     4-head tiles, a slice of a fused qkv row (head dims beyond rot_dim untouched), cache entries that make
     subnormal and tie results."""
-    monkeypatch.setattr(rope, "_STREAMS", streams)
+    from tegula.runtime import cpu
+    monkeypatch.setattr(cpu, "host_vendor", lambda: "AuthenticAMD" if streams else "GenuineIntel")
+    assert rope.streams_in_place() is streams
     nh, d, r = 18, 128, 64
     n = -(-rope.STREAM_MIN // (nh * r)) + 3
     qkv = torch.randn(n, (nh + 2) * d).to(dtype)
