@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import tegula
 import tegula.language as T
+from tegula.runtime import cpu
 
 KMAX = 4096               # the largest k (DeepSelect's limit)
 CHUNK = 512               # keys scanned per step
@@ -44,7 +45,11 @@ SAMPLE_VEC = 8            # a single SAMPLE (and short_row's) is read in runs of
                           # (b1 8K k512 kernel -8%, k2048 -4%)
 DENSE = 0.08              # 16-bit rows whose sampled threshold lets about this share of the keys pass or more
                           # append them by compressing stores (pass2_dense), the others by walking set bits
-                          # (b1 8K k512, ~10%: kernel -7%; at ~6% both alike, at ~3.6% the walk 1.2-1.4x faster)
+                          # (b1 8K k512, ~10%: kernel -7%; at ~6% both alike, at ~3.6% the walk 1.2-1.4x faster,
+                          # on a Zen 4). By CPU vendor where it differs (DENSE_BY_VENDOR):
+DENSE_BY_VENDOR = {"GenuineIntel": 0.004}   # an Intel Xeon: from ~0.5% the compressing stores won (2 threads,
+                          # bench.topk alternated twice: b8 / b64 128K 0.21-0.26 / 1.59-1.77 ms against 0.30-0.32 /
+                          # 1.95-2.97, b1 1M k2048 0.24 against 0.26-0.27; mispredicted exits of the walk cost more)
 WG = 16                   # pass2_dense widens its survivors WG at a time
 B2MAX = 4096              # the largest slack of the candidate buffer before a select
 CAP = KMAX + B2MAX + CHUNK
@@ -166,6 +171,7 @@ def _macros(bits):
     _ROWS = tuple(range(CHUNK // LANES))
     raw_t = _RAW[bits]
     KEY_MIN, KEY_END = (-32768, 32768) if bits == 16 else (INT_MIN, None)
+    dense_share = DENSE_BY_VENDOR.get(cpu.host_vendor(), DENSE)
 
     def key_raw(v):
         """The key in the raw values' own width (int16 or int32)."""
@@ -531,7 +537,8 @@ def _macros(bits):
             b.st[1] = T.max(T.cast(t0, "int32"), INT_MIN + 1) - 1
             sampled = 1
             if bits == 16:   # pass2_dense where the expected share of keys passing is large
-                dense = T.cast((mu + 3.0 * T.sqrt(mu) + 2.0) >= DENSE * T.cast(nsmp * SAMPLE, "float32"), "int32")
+                dense = T.cast((mu + 3.0 * T.sqrt(mu) + 2.0) >= dense_share * T.cast(nsmp * SAMPLE, "float32"),
+                               "int32")
         again = T.cast(1, "int32")
         while again != 0:
             if bits == 16 and dense != 0:   # a scan of its own: the other keeps its code as it was

@@ -575,3 +575,21 @@ def test_common_calls_launch_without_the_trampoline(monkeypatch, where):
         check(x, k, v, i)
     assert topk_mod._LOCAL.plans[(x.shape, x.dtype, k, topk_mod._ENV.get(topk_mod._TARGET_VAR),
                                   topk_mod._CACHE.get("threads"))].__code__.co_name == "launch"
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_dense_share_by_vendor(vendor, monkeypatch):
+    """Rows whose sampled threshold lets ~1-4% of the keys through take the compressing stores on one vendor and the
+    bit walk on the other (_topk_kernels.DENSE_BY_VENDOR): both give a correct top k (kernels traced anew)."""
+    import threading
+
+    from tegula.ops import _topk_kernels as K
+    from tegula.runtime import cpu
+    monkeypatch.setattr(cpu, "host_vendor", lambda: vendor)
+    monkeypatch.setattr(K, "_KERNELS", {})
+    monkeypatch.setattr(K, "_JIT", {})
+    monkeypatch.setattr(topk_mod, "_LOCAL", threading.local())
+    for b, n, k in ((3, 1 << 17, 512), (2, 1 << 17, 2048), (1, 300_001, 1000)):
+        x = torch.randn(b, n).to(torch.bfloat16)
+        values, indices = topk(x, k)
+        check(x, k, values, indices)
