@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tegula.language as T
 from tegula.ops import _tk
+from tegula.runtime import cpu
 
 __all__ = ["apply_rotary"]
 
@@ -42,7 +43,6 @@ NO_STREAMING_IN_PLACE = frozenset({"GenuineIntel"})
 def streams_in_place() -> bool:
     """Whether this host writes a rotated run back with streaming stores (see rope_kernel and
     NO_STREAMING_IN_PLACE)."""
-    from tegula.runtime import cpu
     return cpu.host_vendor() not in NO_STREAMING_IN_PLACE
 
 

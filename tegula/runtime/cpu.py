@@ -90,6 +90,7 @@ def available() -> tuple[bool, str]:
     return True, f"{ident}{'' if omp else ' (no OpenMP: grids run on one core)'}"
 
 
+@functools.lru_cache(maxsize=None)
 def _host_flags() -> frozenset:
     """The CPU feature flags /proc/cpuinfo lists (empty where it cannot be read)."""
     info = _cpuinfo()[0]
