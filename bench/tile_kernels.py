@@ -320,7 +320,8 @@ def main(argv=None):
     sfs = torch.empty(n2, 16, dtype=torch.float32)
     i32, f32, i64 = torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.zeros(3, dtype=torch.int64)
     ksw = lazy(_swiglu.swiglu_forward, 2048, 128, "bfloat16", False, False, False, False)
-    bench("swiglu+per_token_cast", lambda: ksw(xs, qs, sfs.view(torch.int32), i32, f32, i32, i64, 0.0, 1e-4, 0),
+    tb = _swiglu._silu_table()  # what the op passes for bfloat16 x
+    bench("swiglu+per_token_cast", lambda: ksw(xs, qs, sfs.view(torch.int32), i32, f32, i32, i64, tb, 0.0, 1e-4, 0),
           lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4)
     qs = None
 

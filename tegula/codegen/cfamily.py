@@ -14,6 +14,7 @@ from tegula.ir import dtypes as dt
 from tegula.ir import expr as E
 from tegula.ir import stmt as S
 from tegula.ir.printer import Namer
+from tegula.passes.rewrite import sub_exprs
 from tegula.tileops.gemm import tile2
 
 STORAGE = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
@@ -217,9 +218,12 @@ class CFamilyEmitter:
         return out
 
     def wide(self, e) -> str:
-        """An index as 64-bit C, sums split so that ``(by * W) + j`` becomes ``(int64_t)(by * W) + (int64_t)j``."""
+        """An index as 64-bit C, sums split so that ``(by * W) + j`` becomes ``(int64_t)(by * W) + (int64_t)j``.
+        A sum that reads memory (a table lookup, ``TB[int32(bits) + 32768]``) is widened whole: gcc 12 gathers from
+        a 32-bit index, not from the split form."""
         e = E.as_expr(e)
-        if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32:
+        if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32 and not any(
+                isinstance(x, E.Load) for x in sub_exprs(e)):
             return f"({self.wide(e.a)} {e.op} {self.wide(e.b)})"
         return f"(int64_t){self.ex(e)}"
 

@@ -3,7 +3,9 @@
 
 Numerics, all float32: silu(l) = l / (1 + exp(-l)) with ``exp`` bit-identical to torch's CPU sigmoid / silu (see
 ``_tk_math``), out = silu(l) * r (* the routing weight); with a clamp c, l <= c and |r| <= c first (and, with
-``clamped_count``, the three counts added to it). The backward's input gradient uses 1 + x * (1 - s) as one fused
+``clamped_count``, the three counts added to it). A bfloat16 left value has 2^16 possible bit patterns, so the
+forward reads silu(l) from a table of all of them (silu_table, built once per target by a T.* kernel with the same
+formula: the same bits), a gather in place of the exponential and the division. The backward's input gradient uses 1 + x * (1 - s) as one fused
 multiply-add; the weight gradient sums grad_out * act over the row in a fixed order: 32 lanes (lane l takes the
 columns l, l + 32, ...) accumulated in column order, then the lanes pairwise (l + 16 into l, then 8, 4, 2, 1).
 """
@@ -61,10 +63,48 @@ def left_top(X, r0, big, top, clamp, BM, H, use_clamp):
         T.reduce_max(T.reshape(big, (1, BM * LANES)), top, dim=1)
 
 
+TABLE = 1 << 16  # silu_table's entries: one per bfloat16 bit pattern
+TABLE_MID = 1 << 15  # entry of the bits b: int16(b) + TABLE_MID (sign-extended: gcc gathers with such an index)
+
+
+def silu_table():
+    """TB[e] = silu(l) in float32 for the bfloat16 l whose bits are e ^ 0x8000 (e = int16(bits) + TABLE_MID), by
+    the forward's formula (exp_f32: exp_mid where |l| < MID gives the same bits)."""
+    @T.prim_func
+    def silu_table(TB: T.Tensor((TABLE,), "float32")):
+        with T.Kernel(TABLE // 1024) as b:
+            for e in T.Parallel(1024):
+                bits = T.cast((b * 1024 + e) ^ TABLE_MID, "uint16")
+                lv = T.cast(T.reinterpret(bits, "bfloat16"), "float32")
+                TB[b * 1024 + e] = lv / (1.0 + exp_f32(-lv))
+    return silu_table
+
+
+_TABLES: dict = {}
+
+
+def _silu_table():
+    """silu_table's values for the current target, built on first use."""
+    t = _tk.torch()
+    tgt = _tk.target()
+    tb = _TABLES.get(tgt)
+    if tb is None:
+        tb = t.empty(TABLE, dtype=t.float32)
+        _tk.kernel(silu_table)(tb)
+        _TABLES[tgt] = tb
+    return tb
+
+
 @T.macro
-def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
+def silu_of_bits(X, r, j, TB):
+    """silu(X[r, j]) of a bfloat16 X from silu_table."""
+    return TB[T.cast(T.reinterpret(X[r, j], "int16"), "int32") + TABLE_MID]
+
+
+@T.macro
+def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid, TB=None, silu_c=None):
     """yv = silu(left) * right (* wr) of rows r0.., read from X in place, 0 in rows not ok; mid: every |left| <
-    MID (exp_mid). In steps of CW columns, each prefetching the next rows' left and right columns of the next step
+    MID (exp_mid); TB: silu from silu_table (bfloat16 X; silu_c = silu(clamp)). In steps of CW columns, each prefetching the next rows' left and right columns of the next step
     (T.Pipelined: the copies into pf are dropped): on an Intel Xeon the right half's first read stalled 18% of the
     kernel without it (see b5e25a8)."""
     CW = math.gcd(H, 256)
@@ -74,24 +114,34 @@ def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid):
         T.copy(X[r0 + BM, H + c * CW], pf)
         for i, jj in T.Parallel(BM, CW):
             j = c * CW + jj
-            lv = T.cast(X[r0 + i, j], "float32")
             rv = T.cast(X[r0 + i, H + j], "float32")
             if use_clamp:
-                lv = T.if_then_else(lv > clamp, clamp, lv)
                 rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
-            v = lv / (1.0 + (exp_mid(-lv) if mid else exp_f32(-lv))) * rv
+            if TB is not None:
+                sv = silu_of_bits(X, r0 + i, j, TB)
+                if use_clamp:
+                    sv = T.if_then_else(T.cast(X[r0 + i, j], "float32") > clamp, silu_c[0], sv)
+                v = sv * rv
+            else:
+                lv = T.cast(X[r0 + i, j], "float32")
+                if use_clamp:
+                    lv = T.if_then_else(lv > clamp, clamp, lv)
+                v = lv / (1.0 + (exp_mid(-lv) if mid else exp_f32(-lv))) * rv
             if with_weight:
                 v = v * wr[i]
             yv[i, j] = T.if_then_else(ok[i] != 0, v, 0.0)
 
 
 @T.macro
-def swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp):
-    left_top(X, r0, big, top, clamp, BM, H, use_clamp)
-    if top[0] < MID:
-        swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, True)
+def swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c):
+    if X.dtype == "bfloat16":  # silu from the table: no range pass
+        swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False, TB, silu_c)
     else:
-        swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False)
+        left_top(X, r0, big, top, clamp, BM, H, use_clamp)
+        if top[0] < MID:
+            swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, True)
+        else:
+            swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, False)
 
 
 def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp, BM=1, RB=32):
@@ -101,15 +151,18 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
     NP, NW, NE = T.dynamic("np"), T.dynamic("nw"), T.dynamic("ne")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     GB = H // G
+    NTB = TABLE if in_dtype == "bfloat16" else 1  # silu_table's values (float32 X: unused)
 
     @T.prim_func
     def swiglu_forward(X: T.StridedTensor((NT, 2 * H), (XST, 1), in_dtype), Q: T.Tensor((NT, H), "float8_e4m3fn"),
                        S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), P2T: T.Tensor((NP,), "int32"),
                        TW: T.Tensor((NW,), "float32"), P2E: T.Tensor((NE,), "int32"), CNT: T.Tensor((3,), "int64"),
-                       clamp: T.float32, sf_min: T.float32, flags: T.int32):
+                       TB: T.Tensor((NTB,), "float32"), clamp: T.float32, sf_min: T.float32, flags: T.int32):
         with T.Kernel(T.ceildiv(NT, BM * RB)) as by:
             rnd = (flags & ROUND_SF) != 0
             packed = (flags & PACKED_SF) != 0
+            silu_c = T.alloc_fragment((1,), "float32")  # silu(clamp): the value of every clamped left
+            silu_c[0] = clamp / (1.0 + exp_f32(-clamp))
             # RB row groups a block; X is read in place (no staged copy; swiglu_rows prefetches the next row)
             for it in T.serial(RB):
                 r0 = (by * RB + it) * BM
@@ -142,9 +195,9 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
                 big = T.alloc_fragment((BM, LANES), "float32")
                 top = T.alloc_fragment((1,), "float32")
                 if r0 + (BM - 1) < NT:  # whole rows: X read without bounds checks
-                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp)
+                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
                 else:
-                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp)
+                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
                 amax = T.alloc_fragment((BM, GB), "float32")
                 inv = T.alloc_fragment((BM, GB), "float32")
                 word = T.alloc_fragment((BM, GB), "int32")
@@ -305,9 +358,10 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
     out = t.empty((n, hidden), dtype=t.float8_e4m3fn)
     sf_user, sf_k = _tk.alloc_sf(n, hidden // G, use_tma_aligned_col_major_sf, use_packed_ue8m0)
     if n > 0:
-        k = _tk.kernel(swiglu_forward, hidden, G, "bfloat16" if x.dtype == t.bfloat16 else "float32", with_weight,
+        bf16 = x.dtype == t.bfloat16
+        k = _tk.kernel(swiglu_forward, hidden, G, "bfloat16" if bf16 else "float32", with_weight,
                        pos_to_expert is not None, swiglu_clamp_value is not None, clamped_count is not None)
-        k(x, out, sf_k, p2t, tw, p2e, cnt, clamp, sf_min, flags)
+        k(x, out, sf_k, p2t, tw, p2e, cnt, _silu_table() if bf16 else t.zeros(1), clamp, sf_min, flags)
     return out, sf_user
 
 

@@ -81,7 +81,10 @@ class _Ctx:
                 return self.ranges[id(e)]
             return (0 if id(e) in self.dims else e), e
         if isinstance(e, E.Cast) and e.dtype.is_int and e.value.dtype.is_int:
-            return self.bounds(e.value)
+            lo, hi = self.bounds(e.value)
+            if lo is e.value and hi is e.value and e.value.dtype.bits < e.dtype.bits:  # widened: its type's range
+                return int(dt.min_value(e.value.dtype)), int(dt.max_value(e.value.dtype))
+            return lo, hi
         if isinstance(e, E.Select):
             (la, ha), (lb, hb) = self.bounds(e.a), self.bounds(e.b)
             return _op("min", la, lb), _op("max", ha, hb)

@@ -32,3 +32,33 @@ def test_dynamic_copy_values(target):
     y = np.zeros_like(x)
     k(x, y)
     np.testing.assert_array_equal(x, y)
+
+
+def table_lookup():
+    N = T.dynamic("n")
+
+    @T.prim_func
+    def table_lookup(X: T.Tensor((N,), "int16"), TB: T.Tensor((65536,), "float32"), Y: T.Tensor((N,), "float32")):
+        with T.Kernel(T.ceildiv(N, 64)) as b:
+            for j in T.Parallel(64):
+                if b * 64 + j < N:
+                    Y[b * 64 + j] = TB[T.cast(X[b * 64 + j], "int32") + 32768]
+    return table_lookup
+
+
+def test_table_index_from_memory_is_widened_whole():
+    """An index that reads memory (a table lookup) is widened after its 32-bit sum, the form gcc 12 gathers from;
+    an int16 widened to int32 is known to lie in [-32768, 32767], so the lookup needs no bounds guard."""
+    src = tegula.lower(table_lookup(), target="c").kernel_source
+    line = next(x for x in src.splitlines() if "TB[" in x)
+    assert "TB[(int64_t)((" in line and "+ 32768)]" in line, line
+    assert "?" not in line.split("=", 1)[1], line  # no guard select around the load
+
+
+@pytest.mark.parametrize("target", ["c", "interp"])
+def test_table_lookup_values(target):
+    x = np.array([-32768, -1, 0, 1, 32767, 5, -7], dtype=np.int16)
+    tb = np.arange(65536, dtype=np.float32) * 0.5
+    y = np.zeros(x.shape, dtype=np.float32)
+    tegula.compile(table_lookup(), target=target)(x, tb, y)
+    np.testing.assert_array_equal(y, (x.astype(np.int64) + 32768) * 0.5)

@@ -617,6 +617,19 @@ def test_swiglu_forward_large_left_values(target, clamp, round_sf):
     assert_equal(q, rq)
 
 
+def test_silu_table_every_bfloat16(target):
+    """_swiglu.silu_table (what the bfloat16 forward gathers silu from) holds torch's silu of every bfloat16 left
+    value at entry int16(bits) + 2^15, bit for bit; NaN where torch's is NaN (its sign aside)."""
+    from tegula.ops import _swiglu
+    tb = _swiglu._silu_table()
+    bits = (torch.arange(1 << 16, dtype=torch.int32) ^ 0x8000).to(torch.int16)  # entry e: bits e ^ 0x8000
+    ref = silu(bits.view(torch.bfloat16).float())
+    nan = ref.isnan()
+    assert_equal(tb.isnan(), nan)
+    assert_equal(tb[~nan], ref[~nan])
+    assert tb[(1 << 15) + 0x3F80].item() == ref[(1 << 15) + 0x3F80].item() == silu(torch.tensor(1.0)).item()
+
+
 def test_swiglu_exp_mid(target):
     """exp_mid equals exp_f32 on every bfloat16 value of magnitude below MID and on random float32 ones there (C
     checked all float32 there), and differs from it just past: at 88.5 (2^128) and -88 (2^-127), where the rows
