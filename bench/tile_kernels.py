@@ -318,10 +318,11 @@ def main(argv=None):
     n2 = xs.shape[0]
     qs = torch.empty(n2, 2048, dtype=torch.float8_e4m3fn)
     sfs = torch.empty(n2, 16, dtype=torch.float32)
-    i32, f32, i64 = torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.zeros(3, dtype=torch.int64)
-    ksw = lazy(_swiglu.swiglu_forward, 2048, 128, "bfloat16", False, False, False, False)
-    tb = _swiglu._silu_table()  # what the op passes for bfloat16 x
-    bench("swiglu+per_token_cast", lambda: ksw(xs, qs, sfs.view(torch.int32), i32, f32, i32, i64, tb, 0.0, 1e-4, 0),
+    i32, f32 = torch.zeros(1, dtype=torch.int32), torch.zeros(1)
+    ksw = lazy(_swiglu.swiglu_forward_pairs, 2048, 128, False, False, False)  # what the op runs on bf16 x
+    tb = _swiglu._silu_table()
+    bench("swiglu+per_token_cast", lambda: ksw(xs.view(torch.uint32), qs.view(torch.uint16), sfs.view(torch.int32),
+                                                i32, f32, i32, tb, 0.0, 1e-4, 0),
           lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4)
     qs = None
 

@@ -60,6 +60,7 @@ class CFamilyEmitter:
         self.lines: list[str] = []
         self.ind = 0
         self.uses_gemm: set[str] = set()
+        self.data_vars: set[int] = set()  # locals assigned from memory (wide() widens their sums whole)
 
     def w(self, line: str) -> None:
         self.lines.append("  " * self.ind + line)
@@ -222,10 +223,14 @@ class CFamilyEmitter:
         A sum that reads memory (a table lookup, ``TB[int32(bits) + 32768]``) is widened whole: gcc 12 gathers from
         a 32-bit index, not from the split form."""
         e = E.as_expr(e)
-        if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32 and not any(
-                isinstance(x, E.Load) for x in sub_exprs(e)):
+        if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32 and \
+                not self.reads_memory(e):
             return f"({self.wide(e.a)} {e.op} {self.wide(e.b)})"
         return f"(int64_t){self.ex(e)}"
+
+    def reads_memory(self, e) -> bool:
+        """Whether ``e`` loads, or reads a local assigned from a load."""
+        return any(isinstance(x, E.Load) or isinstance(x, E.Var) and id(x) in self.data_vars for x in sub_exprs(e))
 
     def store_value(self, buf, value: E.Expr) -> str:
         if not buf.dtype.is_narrow_float:
@@ -289,6 +294,8 @@ class CFamilyEmitter:
         self.w(f"{self.nm(s.buffer)}[{self.flat(s.buffer, s.indices)}] = {self.store_value(s.buffer, s.value)};")
 
     def stmt_Assign(self, s: S.Assign):
+        if self.reads_memory(s.value):
+            self.data_vars.add(id(s.var))
         decl = f"{reg_type(s.var.dtype)} " if s.declare else ""
         self.w(f"{decl}{self.nm(s.var)} = {self.ex(s.value)};")
 

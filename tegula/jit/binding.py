@@ -203,25 +203,36 @@ def make_fast_call(binder: Binder, launch, slow_call, direct=None):
             ptrs.append(a)
             continue
         env[f"_td{pos}"] = torch_dtype(p.dtype.name)
-        lines.append(f"if type({a}) is not _Tensor or {a}.dtype is not _td{pos} or not {a}.is_cpu "
-                     f"or not {a}.is_contiguous(): return _slow(args)")
+        strided = p.strides is not None  # strides checked (and their symbols bound) as Binder does, after the shape
+        lines.append(f"if type({a}) is not _Tensor or {a}.dtype is not _td{pos} or not {a}.is_cpu"
+                     + ("" if strided else f" or not {a}.is_contiguous()") + ": return _slow(args)")
         lines.append(f"sh = {a}.shape")
-        conds = [f"len(sh) != {len(p.shape)}"]
-        for d, want in enumerate(p.shape):
+        lines.append(f"if len(sh) != {len(p.shape)}: return _slow(args)")
+        conds = []
+        dims = [("sh", d, want) for d, want in enumerate(p.shape)]
+        if strided:
+            lines.append(f"st = {a}.stride()")
+            dims += [("st", d, want) for d, want in enumerate(p.strides)]
+        for arr, d, want in dims:
             if isinstance(want, E.Var):
                 s = sym_names[id(want)]
                 if id(want) in bound:
-                    conds.append(f"sh[{d}] != {s}")
+                    conds.append(f"{arr}[{d}] != {s}")
                 else:
-                    lines.append(f"if len(sh) != {len(p.shape)}: return _slow(args)")
-                    lines.append(f"{s} = sh[{d}]")
+                    if conds:  # the earlier dims are checked before this one binds a symbol
+                        lines.append(f"if {' or '.join(conds)}: return _slow(args)")
+                        conds = []
+                    lines.append(f"{s} = {arr}[{d}]")
                     bound.add(id(want))
+            elif arr == "st":  # a fixed stride matters only where the dim is not 1
+                conds.append(f"(st[{d}] != {int(want)} and sh[{d}] != 1)")
             else:
                 conds.append(f"sh[{d}] != {int(want)}")
-        lines.append(f"if {' or '.join(conds)}: return _slow(args)")
+        if conds:
+            lines.append(f"if {' or '.join(conds)}: return _slow(args)")
         ptrs.append(f"{a}.data_ptr()")
-    if len(bound) != len(binder.symbols) or any(getattr(p, "strides", None) for p in binder.params):
-        return None  # symbols bound only by outputs, or strided tensors: leave them to the generic path
+    if len(bound) != len(binder.symbols):
+        return None  # symbols bound only by outputs: leave them to the generic path
     outs = []
     for pos in sorted(binder.out_idx):
         p = binder.params[pos]

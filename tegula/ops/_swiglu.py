@@ -5,19 +5,22 @@ Numerics, all float32: silu(l) = l / (1 + exp(-l)) with ``exp`` bit-identical to
 ``_tk_math``), out = silu(l) * r (* the routing weight); with a clamp c, l <= c and |r| <= c first (and, with
 ``clamped_count``, the three counts added to it). A bfloat16 left value has 2^16 possible bit patterns, so the
 forward reads silu(l) from a table of all of them (silu_table, built once per target by a T.* kernel with the same
-formula: the same bits), a gather in place of the exponential and the division. The backward's input gradient uses 1 + x * (1 - s) as one fused
-multiply-add; the weight gradient sums grad_out * act over the row in a fixed order: 32 lanes (lane l takes the
-columns l, l + 32, ...) accumulated in column order, then the lanes pairwise (l + 16 into l, then 8, 4, 2, 1).
+formula: the same bits), a gather in place of the exponential and the division. The backward's input gradient
+uses 1 + x * (1 - s) as one fused multiply-add; the weight gradient sums grad_out * act over the row in a fixed
+order: 32 lanes (lane l takes the columns l, l + 32, ...) accumulated in column order, then the lanes pairwise
+(l + 16 into l, then 8, 4, 2, 1).
 """
 from __future__ import annotations
 
 import math
 
 import tegula.language as T
+from tegula.ops import _bf16_pairs as P
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import (PACKED_SF, ROUND_SF, e4m3_in_range, group_scales, scale_of,
                                        store_scales)
 from tegula.ops._tk_math import exp_f32, exp_mid, fma_f32
+from tegula.ops.norm import pair_cast
 
 LANES = 32
 MID = 87.0  # rows whose |left| values are all below this take exp_mid (_tk_math: exact below 87)
@@ -104,9 +107,9 @@ def silu_of_bits(X, r, j, TB):
 @T.macro
 def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid, TB=None, silu_c=None):
     """yv = silu(left) * right (* wr) of rows r0.., read from X in place, 0 in rows not ok; mid: every |left| <
-    MID (exp_mid); TB: silu from silu_table (bfloat16 X; silu_c = silu(clamp)). In steps of CW columns, each prefetching the next rows' left and right columns of the next step
-    (T.Pipelined: the copies into pf are dropped): on an Intel Xeon the right half's first read stalled 18% of the
-    kernel without it (see b5e25a8)."""
+    MID (exp_mid); TB: silu from silu_table (bfloat16 X; silu_c = silu(clamp)). In steps of CW columns, each
+    prefetching the next rows' left and right columns of the next step (T.Pipelined: the copies into pf are
+    dropped): on an Intel Xeon the right half's first read stalled 18% of the kernel without it (see b5e25a8)."""
     CW = math.gcd(H, 256)
     pf = T.alloc_fragment((BM, CW), X.dtype)
     for c in T.Pipelined(H // CW, num_stages=2):
@@ -166,60 +169,132 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
             # RB row groups a block; X is read in place (no staged copy; swiglu_rows prefetches the next row)
             for it in T.serial(RB):
                 r0 = (by * RB + it) * BM
-                ok = T.alloc_fragment((BM,), "int32")
-                wr = T.alloc_fragment((BM,), "float32")
-                for i in T.Parallel(BM):
-                    r = T.min(r0 + i, NT - 1)
-                    ok[i] = T.cast(r0 + i < NT, "int32")
-                    if with_p2e:
-                        ok[i] = ok[i] * T.cast(P2E[r] >= 0, "int32")
-                    if with_weight:
-                        p = P2T[r]
-                        wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
-                if use_clamp and count_clamp:
-                    flg = T.alloc_fragment((BM, 3, H), "int32")
-                    for i, j in T.Parallel(BM, H):
-                        lx = T.cast(X[r0 + i, j], "float32")
-                        rx = T.cast(X[r0 + i, H + j], "float32")
-                        flg[i, 0, j] = T.cast(lx > clamp, "int32") * ok[i]
-                        flg[i, 1, j] = T.cast(rx > clamp, "int32") * ok[i]
-                        flg[i, 2, j] = T.cast(rx < -clamp, "int32") * ok[i]
-                    per_row = T.alloc_fragment((BM, 3), "int32")
-                    total = T.alloc_fragment((3,), "int32")
-                    T.reduce_sum(flg, per_row, dim=2)
-                    T.reduce_sum(per_row, total, dim=0)
-                    for k in T.serial(3):
-                        T.atomic_add(CNT[k], T.cast(total[k], "int64"))
-                y = T.alloc_fragment((BM, GB, G), "float32")
-                yv = T.reshape(y, (BM, H))
-                big = T.alloc_fragment((BM, LANES), "float32")
-                top = T.alloc_fragment((1,), "float32")
-                if r0 + (BM - 1) < NT:  # whole rows: X read without bounds checks
-                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
-                else:
-                    swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
-                amax = T.alloc_fragment((BM, GB), "float32")
-                inv = T.alloc_fragment((BM, GB), "float32")
-                word = T.alloc_fragment((BM, GB), "int32")
-                eb = T.alloc_fragment((BM, GB), "int32")
-                T.reduce_absmax(y, amax, dim=2)
-                group_scales(amax, word, inv, eb, 448.0, sf_min, rnd, BM, GB)
-                store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
-                ytop = T.alloc_fragment((1,), "float32")
-                T.reduce_max(T.reshape(amax, (1, BM * GB)), ytop, dim=1)
-                # y * inv is within 448 (1 + 2^-22) or NaN unless round_sf meets an infinite amax: then the full cast
-                if r0 + (BM - 1) < NT and ((flags & ROUND_SF) == 0 or ytop[0] < T.infinity("float32")):
-                    for i, g, k in T.Parallel(BM, GB, G):
-                        Q[r0 + i, g * G + k] = e4m3_in_range(y[i, g, k] * inv[i, g])
-                elif r0 + (BM - 1) < NT:  # whole rows: scale, narrow and store into Q in one pass
-                    for i, g, k in T.Parallel(BM, GB, G):
-                        Q[r0 + i, g * G + k] = T.cast(y[i, g, k] * inv[i, g], "float8_e4m3fn")
-                else:
-                    q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
-                    for i, g, k in T.Parallel(BM, GB, G):
-                        q[i, g, k] = y[i, g, k] * inv[i, g]
-                    T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
+                if r0 < NT:  # the last block's rows past the end: nothing to do
+                    ok = T.alloc_fragment((BM,), "int32")
+                    wr = T.alloc_fragment((BM,), "float32")
+                    for i in T.Parallel(BM):
+                        r = T.min(r0 + i, NT - 1)
+                        ok[i] = T.cast(r0 + i < NT, "int32")
+                        if with_p2e:
+                            ok[i] = ok[i] * T.cast(P2E[r] >= 0, "int32")
+                        if with_weight:
+                            p = P2T[r]
+                            wr[i] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
+                    if use_clamp and count_clamp:
+                        flg = T.alloc_fragment((BM, 3, H), "int32")
+                        for i, j in T.Parallel(BM, H):
+                            lx = T.cast(X[r0 + i, j], "float32")
+                            rx = T.cast(X[r0 + i, H + j], "float32")
+                            flg[i, 0, j] = T.cast(lx > clamp, "int32") * ok[i]
+                            flg[i, 1, j] = T.cast(rx > clamp, "int32") * ok[i]
+                            flg[i, 2, j] = T.cast(rx < -clamp, "int32") * ok[i]
+                        per_row = T.alloc_fragment((BM, 3), "int32")
+                        total = T.alloc_fragment((3,), "int32")
+                        T.reduce_sum(flg, per_row, dim=2)
+                        T.reduce_sum(per_row, total, dim=0)
+                        for k in T.serial(3):
+                            T.atomic_add(CNT[k], T.cast(total[k], "int64"))
+                    y = T.alloc_fragment((BM, GB, G), "float32")
+                    yv = T.reshape(y, (BM, H))
+                    big = T.alloc_fragment((BM, LANES), "float32")
+                    top = T.alloc_fragment((1,), "float32")
+                    if r0 + (BM - 1) < NT:  # whole rows: X read without bounds checks
+                        swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
+                    else:
+                        swiglu_block(X, r0, yv, big, top, wr, ok, clamp, BM, H, with_weight, use_clamp, TB, silu_c)
+                    amax = T.alloc_fragment((BM, GB), "float32")
+                    inv = T.alloc_fragment((BM, GB), "float32")
+                    word = T.alloc_fragment((BM, GB), "int32")
+                    eb = T.alloc_fragment((BM, GB), "int32")
+                    T.reduce_absmax(y, amax, dim=2)
+                    group_scales(amax, word, inv, eb, 448.0, sf_min, rnd, BM, GB)
+                    store_scales(S, word, eb, r0, 0, NT, GB, packed, BM, GB)
+                    ytop = T.alloc_fragment((1,), "float32")
+                    T.reduce_max(T.reshape(amax, (1, BM * GB)), ytop, dim=1)
+                    # y * inv is within 448 (1 + 2^-22) or NaN unless round_sf meets an infinite amax: the full
+                    # cast then
+                    if r0 + (BM - 1) < NT and ((flags & ROUND_SF) == 0 or ytop[0] < T.infinity("float32")):
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            Q[r0 + i, g * G + k] = e4m3_in_range(y[i, g, k] * inv[i, g])
+                    elif r0 + (BM - 1) < NT:  # whole rows: scale, narrow and store into Q in one pass
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            Q[r0 + i, g * G + k] = T.cast(y[i, g, k] * inv[i, g], "float8_e4m3fn")
+                    else:
+                        q = T.alloc_fragment((BM, GB, G), "float8_e4m3fn")
+                        for i, g, k in T.Parallel(BM, GB, G):
+                            q[i, g, k] = y[i, g, k] * inv[i, g]
+                        T.copy(T.reshape(q, (BM, H)), Q[r0, 0])
     return swiglu_forward
+
+
+def swiglu_forward_pairs(H, G, with_weight, with_p2e, use_clamp, RB=32, SW=64):
+    """swiglu_forward for bfloat16 X read as uint32 words of two elements (_bf16_pairs; X (num_tokens, H) words:
+    left H / 2, then right H / 2) with Q written as uint16 pairs of e4m3 codes (norm.pair_cast, the same bits as
+    swiglu_forward's cast): silu of each half-word gathered from silu_table, the products kept as even and odd
+    halves with each group's running magnitude max (no float32 row pass for the amax, one narrowing per two
+    codes). Rows in steps of SW words, each step prefetching the next row's words of the next step (the copies
+    into pf are dropped). No clamped_count (swiglu_forward counts)."""
+    NT, XST = T.dynamic("num_tokens"), T.dynamic("x_stride2")
+    NP, NW, NE = T.dynamic("np"), T.dynamic("nw"), T.dynamic("ne")
+    SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
+    H2, GB, GH = H // 2, H // G, G // 2
+    L = 16  # lanes of a group's running max (GH is a multiple of SW = 64 words)
+    assert GH % SW == 0 and SW % L == 0
+
+    @T.prim_func
+    def swiglu_forward_pairs(X: T.StridedTensor((NT, H), (XST, 1), "uint32"), Q: T.Tensor((NT, H2), "uint16"),
+                             S: T.StridedTensor((SR, SC), (SSM, SSK), "int32"), P2T: T.Tensor((NP,), "int32"),
+                             TW: T.Tensor((NW,), "float32"), P2E: T.Tensor((NE,), "int32"),
+                             TB: T.Tensor((TABLE,), "float32"), clamp: T.float32, sf_min: T.float32,
+                             flags: T.int32):
+        with T.Kernel(T.ceildiv(NT, RB)) as by:
+            silu_c = T.alloc_fragment((1,), "float32")  # silu(clamp): the value of every clamped left
+            silu_c[0] = clamp / (1.0 + exp_f32(-clamp))
+            xe = T.alloc_fragment((1, GB, GH), "float32")
+            xo = T.alloc_fragment((1, GB, GH), "float32")
+            xev = T.reshape(xe, (1, H2))
+            xov = T.reshape(xo, (1, H2))
+            ab = T.alloc_fragment((1, GB, L), "uint32")
+            pf = T.alloc_fragment((1, SW), "uint32")  # read by nobody: the copies go, their prefetches stay
+            wr = T.alloc_fragment((1,), "float32")
+            for it in T.serial(RB):
+                r0 = by * RB + it
+                if r0 < NT:
+                    if with_weight:
+                        p = P2T[r0]
+                        wr[0] = T.if_then_else(p >= 0, TW[T.max(p, 0)], 0.0)
+                    T.fill(ab, 0)
+                    for s in T.Pipelined(H2 // SW, num_stages=2):
+                        T.copy(X[r0 + 1, s * SW], pf)
+                        T.copy(X[r0 + 1, H2 + s * SW], pf)
+                        g = (s * SW) // GH
+                        for i, l in T.Parallel(1, L):
+                            for j in T.unroll(SW // L):
+                                k = s * SW + j * L + l
+                                wl = X[r0, k]
+                                wv = X[r0, H2 + k]
+                                se = TB[(T.reinterpret(wl << 16, "int32") >> 16) + TABLE_MID]
+                                so = TB[(T.reinterpret(wl, "int32") >> 16) + TABLE_MID]
+                                re = P.even(wv)
+                                ro = P.odd(wv)
+                                if use_clamp:
+                                    se = T.if_then_else(P.even(wl) > clamp, silu_c[0], se)
+                                    so = T.if_then_else(P.odd(wl) > clamp, silu_c[0], so)
+                                    re = T.if_then_else(re > clamp, clamp, T.if_then_else(re < -clamp, -clamp, re))
+                                    ro = T.if_then_else(ro > clamp, clamp, T.if_then_else(ro < -clamp, -clamp, ro))
+                                ve = se * re
+                                vo = so * ro
+                                if with_weight:
+                                    ve = ve * wr[0]
+                                    vo = vo * wr[0]
+                                if with_p2e:  # rows not routed: zeros
+                                    ve = T.if_then_else(P2E[r0] >= 0, ve, 0.0)
+                                    vo = T.if_then_else(P2E[r0] >= 0, vo, 0.0)
+                                xev[i, k] = ve
+                                xov[i, k] = vo
+                                ab[i, g, l] = T.max(ab[i, g, l], P.mag_max(ve, vo))
+                    pair_cast(Q, S, xe, xo, ab, r0, 0, 0, NT, GB, True, 448.0, sf_min, flags, 1, GB, GH)
+    return swiglu_forward_pairs
 
 
 def swiglu_backward(H, G, use_clamp, BM=1):
@@ -315,6 +390,12 @@ def _int32_vector(x, name, n=None):
     return x.to(t.int32).contiguous()
 
 
+def _words(x) -> bool:
+    """Whether bfloat16 x (last stride 1, even width) can be read as uint32 words of two elements: an even row
+    stride and a 4-byte-aligned start at an even element offset."""
+    return x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.storage_offset() % 2 == 0
+
+
 def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
                                       pos_to_expert=None, use_tma_aligned_col_major_sf: bool = False,
                                       round_sf: bool = False, use_packed_ue8m0: bool = False,
@@ -359,6 +440,11 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
     sf_user, sf_k = _tk.alloc_sf(n, hidden // G, use_tma_aligned_col_major_sf, use_packed_ue8m0)
     if n > 0:
         bf16 = x.dtype == t.bfloat16
+        if bf16 and clamped_count is None and _words(x):
+            k = _tk.kernel(swiglu_forward_pairs, hidden, G, with_weight, pos_to_expert is not None,
+                           swiglu_clamp_value is not None)
+            k(x.view(t.uint32), out.view(t.uint16), sf_k, p2t, tw, p2e, _silu_table(), clamp, sf_min, flags)
+            return out, sf_user
         k = _tk.kernel(swiglu_forward, hidden, G, "bfloat16" if bf16 else "float32", with_weight,
                        pos_to_expert is not None, swiglu_clamp_value is not None, clamped_count is not None)
         k(x, out, sf_k, p2t, tw, p2e, cnt, _silu_table() if bf16 else t.zeros(1), clamp, sf_min, flags)

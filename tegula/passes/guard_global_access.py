@@ -82,9 +82,10 @@ class _Ctx:
             return (0 if id(e) in self.dims else e), e
         if isinstance(e, E.Cast) and e.dtype.is_int and e.value.dtype.is_int:
             lo, hi = self.bounds(e.value)
-            if lo is e.value and hi is e.value and e.value.dtype.bits < e.dtype.bits:  # widened: its type's range
-                return int(dt.min_value(e.value.dtype)), int(dt.max_value(e.value.dtype))
-            return lo, hi
+            rng = _narrow_range(e.value.dtype, e.dtype)
+            if rng is None or (isinstance(lo, int) and isinstance(hi, int) and rng[0] <= lo <= hi <= rng[1]):
+                return lo, hi
+            return rng
         if isinstance(e, E.Select):
             (la, ha), (lb, hb) = self.bounds(e.a), self.bounds(e.b)
             return _op("min", la, lb), _op("max", ha, hb)
@@ -106,6 +107,10 @@ class _Ctx:
             return _op("//", la, c), _op("//", ha, c)
         if e.op == "%" and isinstance(c, int) and c > 0:
             return 0, c - 1
+        if e.op == ">>" and isinstance(c, int) and 0 <= c < e.dtype.bits:  # within the shifted type's range
+            if isinstance(la, int) and isinstance(ha, int):
+                return la >> c, ha >> c
+            return int(dt.min_value(e.a.dtype)) >> c, int(dt.max_value(e.a.dtype)) >> c
         if e.op in ("min", "max"):
             return _op(e.op, la, lb), _op(e.op, ha, hb)
         return e, e
@@ -186,6 +191,16 @@ class _Ctx:
 
 _PY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "//": lambda a, b: a // b,
        "min": min, "max": max}
+
+
+def _narrow_range(src, dst):
+    """The range every int cast from ``src`` to ``dst`` lands in where a 16-bit or narrower type bounds it (a
+    narrowing cast wraps into dst's range; a widening one keeps src's values), else None."""
+    if dst.bits < src.bits and dst.bits <= 16:
+        return int(dt.min_value(dst)), int(dt.max_value(dst))
+    if src.bits < dst.bits and src.bits <= 16 and (dst.kind == "int" or src.kind == "uint"):
+        return int(dt.min_value(src)), int(dt.max_value(src))
+    return None
 
 
 def _op(op, a, b):

@@ -62,3 +62,34 @@ def test_table_lookup_values(target):
     y = np.zeros(x.shape, dtype=np.float32)
     tegula.compile(table_lookup(), target=target)(x, tb, y)
     np.testing.assert_array_equal(y, (x.astype(np.int64) + 32768) * 0.5)
+
+
+def word_halves_lookup():
+    N = T.dynamic("n")
+
+    @T.prim_func
+    def word_halves_lookup(X: T.Tensor((N,), "uint32"), TB: T.Tensor((65536,), "float32"),
+                           Y: T.Tensor((N, 2), "float32")):
+        with T.Kernel(T.ceildiv(N, 64)) as b:
+            for j in T.Parallel(64):
+                if b * 64 + j < N:
+                    w = X[b * 64 + j]
+                    Y[b * 64 + j, 0] = TB[(T.reinterpret(w << 16, "int32") >> 16) + 32768]
+                    Y[b * 64 + j, 1] = TB[(T.reinterpret(w, "int32") >> 16) + 32768]
+    return word_halves_lookup
+
+
+@pytest.mark.parametrize("target", ["c", "interp"])
+def test_word_halves_lookup(target):
+    """The halves of a word sign-extended by shifts (an int32 >> 16 lies in [-32768, 32767]) index a table with no
+    guard, through a local assigned from a load (widened whole as a load would be)."""
+    if target == "c":
+        src = tegula.lower(word_halves_lookup(), target="c").kernel_source
+        lines = [x for x in src.splitlines() if "TB[" in x]
+        assert len(lines) == 2 and all("TB[(int64_t)((" in x and "?" not in x.split("=", 1)[1] for x in lines), lines
+    x = np.array([0x00000000, 0xFFFF8000, 0x7FFF0001, 0x80001234], dtype=np.uint32)
+    tb = np.arange(65536, dtype=np.float32)
+    y = np.zeros((4, 2), dtype=np.float32)
+    tegula.compile(word_halves_lookup(), target=target)(x, tb, y)
+    lo, hi = (x & 0xFFFF).astype(np.int64), (x >> 16).astype(np.int64)
+    np.testing.assert_array_equal(y, np.stack([(lo ^ 0x8000), (hi ^ 0x8000)], 1).astype(np.float32))

@@ -64,3 +64,32 @@ def test_stride_count_must_match():
         def main(X: T.Tensor((4, 4), "float32", strides=(4,))):
             with T.Kernel(1):
                 pass
+
+
+def test_strided_call_fast_path_checks_as_the_binder_does():
+    """On the c target a kernel with strided parameters is called through the fast path (its strides read and its
+    stride symbols bound there); any mismatch goes to the generic binder and its error."""
+    m, ld = T.dynamic("m"), T.dynamic("ld")
+
+    @T.prim_func
+    def add(X: T.StridedTensor((m, 8), (ld, 1), "float32"), Z: T.StridedTensor((m, 8), (ld, 1), "float32"),
+            Y: T.Tensor((m, 8), "float32")):
+        with T.Kernel(m) as b:
+            for j in T.Parallel(8):
+                Y[b, j] = X[b, j] + Z[b, j]
+
+    k = tegula.compile(add, target="c")
+    assert k._fast is not None and "st = " in k._fast.__tegula_source__
+    wide = torch.randn(6, 20)
+    x, z, y = wide[:, 3:11], wide[:, 10:18], torch.empty(6, 8)
+    k(x, z, y)
+    torch.testing.assert_close(y, x + z, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="stride 0 is 8, but the symbol ld was bound to 20"):
+        k(x, torch.randn(6, 8), y)
+    with pytest.raises(ValueError, match="must have strides"):
+        k(torch.randn(6, 16)[:, ::2], torch.randn(6, 16)[:, ::2], y)
+    with pytest.raises(ValueError, match="dimension 0 is 5"):
+        k(x, z, torch.empty(5, 8))
+    one = torch.randn(1, 8)
+    k(one, one, y[:1])  # a one-row view: any row stride binds ld
+    torch.testing.assert_close(y[:1], one + one, rtol=0, atol=0)

@@ -592,6 +592,21 @@ def test_swiglu_forward_and_per_token_cast(target, case):
         assert_equal(counts, counts_ref)
 
 
+def test_swiglu_forward_odd_row_stride(target):
+    """A bfloat16 x whose rows cannot be read as uint32 words (odd row stride) takes the element kernel: the same
+    bits as the word kernel on a contiguous copy."""
+    n, h = rows(target, 9), 256
+    x = torch.cat([randn(n, 2 * h, scale=2.0), randn(n, 1)], 1)[:, :2 * h]
+    assert x.stride(0) % 2 == 1
+    q, s = quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)
+    rq, rs = ref_cast(swiglu_ref(x), "e4m3", (1, 128))
+    assert_equal(s, rs)
+    assert_equal(q, rq)
+    q2, s2 = quant.swiglu_forward_and_per_token_cast(x.contiguous(), "e4m3", 128)
+    assert_equal(q2, q)
+    assert_equal(s2, s)
+
+
 @pytest.mark.parametrize("clamp,round_sf", [(None, False), (None, True), (50.0, False)])
 def test_swiglu_forward_large_left_values(target, clamp, round_sf):
     """Rows whose |left| (clamped) reaches _swiglu.MID take exp_f32, the others exp_mid. left -88.5 has exp(88.5)
