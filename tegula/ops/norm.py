@@ -203,18 +203,38 @@ def rmsnorm_cast_kernel(in_dtype, w_dtype, fmt, G, W=1024, BM=1):
 
 
 @T.macro
-def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part):
+def _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, part, Wt=None, gmax=None, GH=16, GMAX=0):
     """_rstd of a bfloat16 X read as uint32 words (_bf16_pairs; H2 words a row): lane l of the module docstring's
     32 is half l % 2 of word lane l // 2 (acc2[i, l % 2, l // 2]), so each lane sums the same columns in the same
-    order and the fold is _rstd's."""
+    order and the fold is _rstd's. With ``gmax`` ((GMAX,) uint32, BM 1, GH >= 16 words a group): also gmax[g] = the
+    largest |x * w| of group g (weight Wt) as float32 bits (an integer max: inf and NaN above every finite value),
+    for the groups of the whole chunks below GMAX (_fused_cast)."""
     T.fill(acc2, 0.0)
     for c in T.serial(T.ceildiv(H2, W2)):
         if c * W2 + (W2 - 1) < H2:
-            for cc in T.serial(W2 // 16):
-                for i, l in T.Parallel(BM, 16):
-                    w = X[r0 + i, c * W2 + cc * 16 + l]
-                    acc2[i, 0, l] = acc2[i, 0, l] + P.even(w) * P.even(w)
-                    acc2[i, 1, l] = acc2[i, 1, l] + P.odd(w) * P.odd(w)
+            if gmax is not None:
+                NG = W2 // GH
+                gm = T.alloc_fragment((NG, 16), "uint32")
+                gr = T.alloc_fragment((NG,), "uint32")
+                T.fill(gm, 0)
+                for g in T.serial(NG):
+                    for j in T.unroll(GH // 16):  # the words in order: lane l's sums add what _rstd's add
+                        for l in T.Parallel(16):
+                            w = X[r0, c * W2 + g * GH + j * 16 + l]
+                            ww = Wt[c * W2 + g * GH + j * 16 + l]
+                            acc2[0, 0, l] = acc2[0, 0, l] + P.even(w) * P.even(w)
+                            acc2[0, 1, l] = acc2[0, 1, l] + P.odd(w) * P.odd(w)
+                            gm[g, l] = T.max(gm[g, l], P.mag_max(P.even(w) * P.even(ww), P.odd(w) * P.odd(ww)))
+                T.reduce_max(gm, gr, dim=1)
+                for g in T.Parallel(NG):
+                    if c * NG + g < GMAX:
+                        gmax[T.min(c * NG + g, GMAX - 1)] = gr[g]
+            else:
+                for cc in T.serial(W2 // 16):
+                    for i, l in T.Parallel(BM, 16):
+                        w = X[r0 + i, c * W2 + cc * 16 + l]
+                        acc2[i, 0, l] = acc2[i, 0, l] + P.even(w) * P.even(w)
+                        acc2[i, 1, l] = acc2[i, 1, l] + P.odd(w) * P.odd(w)
         else:
             T.copy(X[r0, c * W2], part)  # zeros past the row's end
             for cc in T.serial(W2 // 16):
@@ -298,6 +318,33 @@ def pair_cast(Q, S, xe, xo, ab, r0, q0, g0, NT, ngroups, whole, maxv, cmin, flag
         T.copy(T.reshape(q, (BM, GB * GH)), Q[r0, q0])
 
 
+@T.macro
+def _fused_cast(X, Wt, Q, S, gmax, rstd, touch, r0, H2, NT, ngroups, maxv, cmin, flags, GMAX, GB, GH, W2):
+    """The cast of row r0 (whole chunks of W2 words) from _rstd_pairs' group maxima of |x * w| (all finite, rstd
+    finite): a group's amax is RN(max |x * w| * rstd), which equals the largest |RN(x * w) * rstd| (rounding is
+    monotonic), so each value is computed once, as it is cast, with no float32 tile; its words of the next row
+    are prefetched group by group (the copies into touch are dropped)."""
+    rnd = (flags & ROUND_SF) != 0
+    amax = T.alloc_fragment((1, GMAX), "float32")
+    inv = T.alloc_fragment((1, GMAX), "float32")
+    word = T.alloc_fragment((1, GMAX), "int32")
+    eb = T.alloc_fragment((1, GMAX), "int32")
+    for i, g in T.Parallel(1, GMAX):
+        amax[i, g] = T.reinterpret(gmax[g], "float32") * rstd[i]
+    group_scales(amax, word, inv, eb, maxv, cmin, rnd, 1, GMAX)
+    store_scales(S, word, eb, r0, 0, NT, ngroups, (flags & PACKED_SF) != 0, 1, GMAX)
+    for c in T.serial(H2 // W2):
+        if c * W2 + (W2 - 1) < H2:  # (always: the fact that proves the reads inside X)
+            for g in T.Pipelined(GB, num_stages=2):
+                T.copy(X[r0 + 1, c * W2 + g * GH], touch)
+                for k in T.Parallel(GH):
+                    w = X[r0, c * W2 + g * GH + k]
+                    ww = Wt[c * W2 + g * GH + k]
+                    s = inv[0, c * GB + g]
+                    Q[r0, c * W2 + g * GH + k] = P.e4m3_pair_values(P.even(w) * P.even(ww) * rstd[0] * s,
+                                                                    P.odd(w) * P.odd(ww) * rstd[0] * s)
+
+
 def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
     """rmsnorm_cast_kernel for bfloat16 x and weight, fmt e4m3 and G in (16, 32, 64, 128), on the rows read as
     uint32 words (_bf16_pairs: each element widened by one op, no shuffles) and Q written as uint16 pairs of codes
@@ -308,11 +355,19 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
     groups, 1 thread CPU time, a C copy of the kernel, 6 process pairs: new / old 0.91-1.03, median 0.955).
     Earlier, on a Zen 4, 1 thread CPU time, 18688 x 7168 /128, alternated with rmsnorm_cast_kernel in one process:
     52.5 -> 47.2 ms (1.42 -> 1.28 cycles/value) without the prefetch; with it, RB 4 / 16 / 32 / 64 measured 0.879 /
-    0.847 / 0.828 / 0.829 of rmsnorm_cast_kernel's time."""
+    0.847 / 0.828 / 0.829 of rmsnorm_cast_kernel's time.
+    Rows of whole chunks with at most GMAX groups of at least 32 columns (FUSED) take two passes instead of three:
+    the sum of squares also keeps each group's max |x * w| (_rstd_pairs), and where those and rstd are finite
+    _fused_cast casts each value as it computes it (no float32 tile of the row, no products pass); other rows (a
+    non-finite product, eps 0 on a zero row) go on to the chunk loop. On the Intel Xeon, 37376 x 7168 /128,
+    alternated with the three-pass form in one process: 1 thread CPU time 137.2 -> 121.2 ms, 2 threads wall 72.6
+    -> 62.6; against the commit before, separate processes, 2 threads: 11.9-12.3 -> 12.9-14.3 GB/s."""
     NT, H2, XST = T.dynamic("num_tokens"), T.dynamic("hidden2"), T.dynamic("x_stride2")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     maxv, cmin = FMT_MAX["e4m3"], CLAMP_MIN["e4m3"]
     GB, GH, W2 = W // G, G // 2, W // 2
+    FUSED = BM == 1 and GH >= 16  # rows of whole chunks and at most GMAX groups take _fused_cast
+    GMAX = 128
 
     @T.prim_func
     def rmsnorm_cast_pairs(X: T.StridedTensor((NT, H2), (XST, 1), "uint32"), Wt: T.Tensor((H2,), "uint32"),
@@ -328,10 +383,24 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
             xs = T.alloc_fragment((BM, W2), "uint32")
             ws = T.alloc_fragment((W2,), "uint32")
             touch = T.alloc_fragment((BM, GH), "uint32")
+            gmax = T.alloc_fragment((GMAX,), "uint32")  # past a row's groups: 0
+            gtop = T.alloc_fragment((1,), "uint32")
+            fz = T.alloc_fragment((1,), "int32")  # this row takes _fused_cast
+            T.fill(gmax, 0)
+            ngroups = T.ceildiv(H2 * 2, G)
             for rb in T.Pipelined(RB, num_stages=2):
                 r0 = (bg * RB + rb) * BM
-                if r0 < NT:
+                fz[0] = 0
+                if r0 < NT and FUSED and H2 % W2 == 0 and ngroups <= GMAX:
+                    _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs, Wt, gmax, GH, GMAX)
+                    T.reduce_max(T.reshape(gmax, (1, GMAX)), gtop, dim=1)
+                    fz[0] = T.cast(gtop[0] < 0x7F800000 and rstd[0] < T.infinity("float32"), "int32")
+                elif r0 < NT:
                     _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs)
+                if r0 < NT and fz[0] != 0:
+                    _fused_cast(X, Wt, Q, S, gmax, rstd, touch, r0, H2, NT, ngroups, maxv, cmin, flags, GMAX, GB, GH,
+                                W2)
+                elif r0 < NT:
                     for c in T.serial(T.ceildiv(H2, W2)):
                         whole = c * W2 + (W2 - 1) < H2 and r0 + (BM - 1) < NT
                         if whole:

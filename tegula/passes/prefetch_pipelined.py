@@ -82,20 +82,21 @@ def _prefetch(c: S.Copy, loop: S.For, env: dict) -> S.Stmt:
     buf = c.src.buffer
     exts = [int(E.const_value(e)) for e in c.src.extents]
     step = max(1, LINE // buf.dtype.itemsize)
-    ivars, idx = [], []
-    for d, (st, ext) in enumerate(zip(starts, exts)):
-        if d < len(exts) - 1:
-            v = E.Var(f"pf{d}", dt.int32)
-            ivars.append((v, ext))
-            idx.append(E.binop("+", st, v) if ext > 1 else st)
-        else:
-            v = E.Var(f"pf{d}", dt.int32)
-            lines = -(-ext // step) + 1
-            ivars.append((v, lines))
-            last = E.binop("+", st, ext - 1)
-            idx.append(E.binop("min", E.binop("+", st, E.binop("*", v, step)), last))
-    body = Prefetch(buf, tuple(idx), loc=c.loc)
+    # a row of the region's last dim: one prefetch every `step` elements from its start (ceil(ext / step) of them,
+    # all inside the row: plain offsets from one address, no clamp), then one of its last element, whose line the
+    # others miss where the row does not start on a line
+    ivars, outer = [], []
+    for d, (st, ext) in enumerate(zip(starts[:-1], exts[:-1])):
+        v = E.Var(f"pf{d}", dt.int32)
+        ivars.append((v, ext))
+        outer.append(E.binop("+", st, v) if ext > 1 else st)
+    st, ext = starts[-1], exts[-1]
+    v = E.Var(f"pf{len(exts) - 1}", dt.int32)
+    body = S.Seq([S.For(v, E.Const(0, dt.int32), E.Const(-(-ext // step), dt.int32), "serial",
+                        Prefetch(buf, tuple(outer) + (E.binop("+", st, E.binop("*", v, step)),), loc=c.loc),
+                        loc=c.loc),
+                  Prefetch(buf, tuple(outer) + (E.binop("+", st, ext - 1),), loc=c.loc)], loc=c.loc)
     for v, n in reversed(ivars):
-        if n > 1 or v is ivars[-1][0]:
+        if n > 1:
             body = S.For(v, E.Const(0, dt.int32), E.Const(n, dt.int32), "serial", body, loc=c.loc)
     return S.If(guard, body, loc=c.loc)

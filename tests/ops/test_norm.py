@@ -127,13 +127,16 @@ def test_rmsnorm_forward_and_per_token_cast_infinities(target, g, round_sf):
         assert int(q.view(torch.uint8)[1, 0]) & 0x7F in (0x7E, 0x00)  # +-448 or a zero: saturated, not wrapped
 
 
-@pytest.mark.parametrize("g,opts", [(128, {}), (16, dict(round_sf=True)), (64, dict(
-    use_packed_ue8m0=True, round_sf=True, use_tma_aligned_col_major_sf=True))])
-def test_rmsnorm_cast_pairs_match_the_element_path(target, monkeypatch, g, opts):
+@pytest.mark.parametrize("g,opts,h", [(128, {}, 1600), (16, dict(round_sf=True), 1600), (64, dict(
+    use_packed_ue8m0=True, round_sf=True, use_tma_aligned_col_major_sf=True), 1600), (32, dict(
+        use_packed_ue8m0=True, round_sf=True, use_tma_aligned_col_major_sf=True), 3072), (128, dict(round_sf=True),
+                                                                                         2048)])
+def test_rmsnorm_cast_pairs_match_the_element_path(target, monkeypatch, g, opts, h):
     """bfloat16 rows read as uint32 words (norm._pairs) give the bits of the element-wise kernel: NaN, +-inf and
     overflowing products (chunks that leave the integer amax), subnormal products, a partial last chunk (hidden
-    1600 = 1024 + 576), rows with a row stride; a view at an odd element offset takes the element path."""
-    n, h = (9 if target == "c" else 4), 1600
+    1600 = 1024 + 576), rows with a row stride; a view at an odd element offset takes the element path. Hidden
+    3072 / 2048 (whole chunks): the finite rows take the fused cast (_fused_cast), the others the chunk loop."""
+    n = 9 if target == "c" else 4
     base = torch.randn(n, h + 2).bfloat16()
     x = base[:, 2:]  # row stride h + 2, start 4-byte aligned
     w = torch.randn(h).bfloat16()
@@ -157,6 +160,20 @@ def test_rmsnorm_cast_pairs_match_the_element_path(target, monkeypatch, g, opts)
     keep = torch.isfinite(y).all(1)
     assert_equal(s[keep], rs[keep])
     assert_equal(q[keep], rq[keep])
+
+
+def test_rmsnorm_cast_fused_zero_rows(target, monkeypatch):
+    """eps 0 and a row of zeros: rstd is inf and every product NaN (0 * inf): that row must not take the fused cast
+    (its amax, max |x * w| * rstd, would be NaN); the bits of the element path."""
+    n, h = (5 if target == "c" else 3), 2048
+    x = torch.randn(n, h).bfloat16()
+    x[1] = 0.0
+    w = torch.randn(h).bfloat16()
+    got = norm.rmsnorm_forward_and_per_token_cast(x, w, 0.0, "e4m3", 128)
+    monkeypatch.setattr(norm, "_pairs", lambda x, weight: False)
+    want = norm.rmsnorm_forward_and_per_token_cast(x, w, 0.0, "e4m3", 128)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("rb", [4, 32])

@@ -43,3 +43,14 @@ def test_prefetch_leaves_results_unchanged():
     for target in ("c", "interp"):
         out = tegula.compile(paged_sum(2), out_idx=[2], target=target)(a, pages)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_prefetch_one_per_line_and_the_last_element():
+    """Each row of the region (48 float32: 3 lines from its start) gets a prefetch every 16 elements, unclamped
+    offsets from one address, then one of its last element (the line a row not starting on a line boundary ends
+    in)."""
+    text = tegula.lower(paged_sum(2), target="c").lowered.script()
+    lines = [x.strip() for x in text.splitlines() if "prefetch(" in x or "pf" in x]
+    assert lines == ["for pf0 in serial(0, +32):", "for pf1 in serial(0, +3):",
+                     "prefetch(A[((Pages[(k + 1)] * 32) + pf0), (pf1 * 16)])",
+                     "prefetch(A[((Pages[(k + 1)] * 32) + pf0), 47])"], lines
