@@ -244,8 +244,12 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     need = int(end[-1])
     if need > ne:
         raise ValueError(f"num_expanded_tokens ({ne}) is too small: the layout needs {need} rows")
-    p2e, p2t, p2tt = (t.empty((ne,), dtype=t.int32) for _ in range(3))
-    ttp = t.empty((n, kk), dtype=t.int32)
+    # the four int32 results share one allocation: freed together, it raises glibc's trim threshold past its own
+    # size, so the next call's block is the same heap memory again (four separate blocks were each trimmed back to
+    # the system and page-faulted anew, ~1 ms a call at 16384 x 8)
+    block = t.empty((3 * ne + n * kk,), dtype=t.int32)
+    p2e, p2t, p2tt = block[:ne], block[ne:2 * ne], block[2 * ne:3 * ne]
+    ttp = block[3 * ne:].view(n, kk)
     # one scattered store per entry (its position's entry, P2TT), then the position-ordered arrays from it
     if ne:
         _tk.kernel(K.fill_i32, 4096, serial)(p2tt, -1)
