@@ -216,7 +216,10 @@ def per_block_pairs(bt, bc, HP):
     process CPU time, 4 rows a pass, against the kernel then). On an Intel Xeon (2 cores, KVM) both passes over a
     whole band prefetch X AHEAD words on, NC groups (4 lines) a step, as per_token_pairs' cast does (the copies into
     pf are dropped, their prefetches stay): 1 thread process CPU time, 0.25 GiB, 7 process pairs alternated (the
-    other core busy) 49.0-65.9 ms, median 57.1, against 52.1-69.0, median 64.1."""
+    other core busy) 49.0-65.9 ms, median 57.1, against 52.1-69.0, median 64.1. On that Xeon (2 MB L2) column slabs
+    (each slab's column max, scales and cast in turn, the cast reading the slab from L2) were slower too: 37376 x
+    7168, alternated in one process, slabs of 1024 / 512 / 3584 columns 1.03 / 1.44 / 1.13 (1 thread CPU time),
+    1.05 / 1.44 / 1.15 (2 threads wall) of the whole band's time."""
     NT, XW = T.dynamic("num_tokens"), T.dynamic("x_words")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     GB, GH, HW = HP // bc, bc // 2, HP // 2
