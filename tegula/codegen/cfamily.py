@@ -220,13 +220,25 @@ class CFamilyEmitter:
 
     def wide(self, e) -> str:
         """An index as 64-bit C, sums split so that ``(by * W) + j`` becomes ``(int64_t)(by * W) + (int64_t)j``.
-        A sum that reads memory (a table lookup, ``TB[int32(bits) + 32768]``) is widened whole: gcc 12 gathers from
-        a 32-bit index, not from the split form."""
+        A table lookup, a sum of terms read from memory and constants only (``TB[int32(bits) + 32768]``), is
+        widened whole: gcc 12 gathers from a 32-bit index, not from the split form. A sum with any other term
+        (``base + j``, base loaded) stays split, so that its loop variable stays affine (contiguous loads)."""
         e = E.as_expr(e)
         if isinstance(e, E.BinOp) and e.op in ("+", "-") and e.dtype.is_int and e.dtype.bits <= 32 and \
-                not self.reads_memory(e):
+                not self.table_index(e):
             return f"({self.wide(e.a)} {e.op} {self.wide(e.b)})"
         return f"(int64_t){self.ex(e)}"
+
+    def table_index(self, e) -> bool:
+        """Whether the sum ``e`` reads memory and each of its terms either reads memory or is a constant."""
+        terms, stack = [], [e]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, E.BinOp) and x.op in ("+", "-") and x.dtype.is_int:
+                stack += [x.a, x.b]
+            else:
+                terms.append(x)
+        return self.reads_memory(e) and all(self.reads_memory(x) or E.const_value(x) is not None for x in terms)
 
     def reads_memory(self, e) -> bool:
         """Whether ``e`` loads, or reads a local assigned from a load."""
