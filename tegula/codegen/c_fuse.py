@@ -125,7 +125,8 @@ def _merge_ifs(items) -> list:
         if key(first.cond) != key(s.cond) or (first.orelse is None) != (s.orelse is None):
             continue
         between = out[k + 1:-1]
-        if not _movable(between, {id(v) for v in rewrite.sub_exprs(s.cond) if isinstance(v, E.Var)}):
+        cond_vars = {id(v) for v in rewrite.sub_exprs(s.cond) if isinstance(v, E.Var)}
+        if not _movable(between, cond_vars) or _assigns(first, cond_vars):  # the condition must mean the same
             continue
         then = _seq([first.then, *between, s.then], first.loc)
         if s.orelse is not None:
@@ -134,6 +135,12 @@ def _merge_ifs(items) -> list:
             orelse = _seq(between, first.loc) if between else None
         out[k:] = [dataclasses.replace(first, then=then, orelse=orelse)]
     return out
+
+
+def _assigns(s, var_ids) -> bool:
+    """Whether ``s`` assigns any of the variables ``var_ids`` (a branch that updates its own condition's variable:
+    the next ``if`` on that condition reads the new value and cannot join the first)."""
+    return any(isinstance(x, S.Assign) and id(x.var) in var_ids for x in S.walk(s))
 
 
 def _movable(items, cond_vars) -> bool:

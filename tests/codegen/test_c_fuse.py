@@ -204,3 +204,32 @@ def test_statements_between_merged_ifs_still_run_when_the_condition_fails(flag):
         y = torch.zeros(4)
         tegula.compile(prim, target=target)(y, flag)
         assert y.tolist() == ([1.0, 2.0, 3.0, 0.0] if flag else [0.0, 2.0, 0.0, 0.0]), target
+
+
+def condition_updated_in_first_branch():
+    @T.prim_func
+    def k(X: T.Tensor((4,), "int32"), Y: T.Tensor((4,), "int32")):
+        with T.Kernel(1) as _b:
+            ok = X[0] > 0
+            if ok:
+                Y[0] = 1
+                ok = X[1] > 0  # the next if reads this value
+            else:
+                Y[0] = 2
+            if ok:
+                Y[1] = 3
+            else:
+                Y[1] = 4
+    return k
+
+
+@pytest.mark.parametrize("x0,x1", [(1, 0), (1, 1), (0, 1)])
+def test_ifs_do_not_merge_when_the_first_updates_the_condition(x0, x1):
+    """Two ifs on one variable do not become one where the first's branch assigns that variable (the merged form
+    tested the old value twice: rows with an infinite product took rmsnorm's fused cast)."""
+    want = [1, 3 if x1 > 0 else 4] if x0 > 0 else [2, 4]
+    for target in ("interp", "c"):
+        y = torch.zeros(4, dtype=torch.int32)
+        tegula.compile(condition_updated_in_first_branch(), target=target)(torch.tensor([x0, x1, 0, 0],
+                                                                                        dtype=torch.int32), y)
+        assert y[:2].tolist() == want, target
