@@ -36,7 +36,6 @@ from __future__ import annotations
 from tegula.ops import _moe_kernels as K
 from tegula.ops import _tk
 from tegula.ops._tk import align, ceil_div
-from tegula.runtime import cpu
 
 __all__ = ["topk_gate", "top2_sum_gate", "normalize_weight", "get_fused_mapping", "expand_to_fused",
            "expand_to_fused_with_sf", "reduce_fused"]
@@ -87,18 +86,10 @@ def normalize_weight(topk_weights):
 _NORMALIZE: dict = {}
 # weights of at most this many values are normalised by one thread (the serial kernel): where the OpenMP threads
 # sleep between regions (OMP_WAIT_POLICY=passive, as the benches set it) waking the second one costs more than
-# it gives: on a Zen 4, 2 threads wall, 4096 / 16384 / 32768 x 8: grid 52 / 30 / 58 us, one thread 7.2 / 24.6 / 47
-# us; with spinning threads the grid is faster (8.3 / 23 / 43 us against 9.1 / 30 / 54). By CPU vendor where it
-# differs: on an Intel Xeon (one ymm division a row of 8 at 5 cycles, so one thread is slower there) the two cross
-# near 8192 x 8: passive, alternated in one process, 6144 / 8192 / 12288 / 16384 / 32768 rows: serial 24-27 / 34-36
-# / 51-55 / 58-60 / 112 us, grid 31 / 36 / 47-49 / 50-54 / 90-95
+# it gives: 2 threads wall, 4096 / 16384 / 32768 x 8: grid 52 / 30 / 58 us, one thread 7.2 / 24.6 / 47 us; with
+# spinning threads the grid is faster (8.3 / 23 / 43 us against 9.1 / 30 / 54)
 _NORMALIZE_SERIAL_MAX = 1 << 17
-_NORMALIZE_SERIAL_MAX_BY_VENDOR = {"GenuineIntel": 1 << 16}
 _Tensor = None   # torch.Tensor once a call has imported torch (before that, every call takes the checks)
-
-
-def _normalize_serial_max() -> int:
-    return _NORMALIZE_SERIAL_MAX_BY_VENDOR.get(cpu.host_vendor(), _NORMALIZE_SERIAL_MAX)
 
 
 def _normalize_plan(t, w):
@@ -110,7 +101,7 @@ def _normalize_plan(t, w):
     if plan is None:
         den = t.empty((n,), dtype=t.float32)
         launch = None if n == 0 or k == 0 else \
-            _tk.kernel(K.normalize_weight, k, 256, n * k <= _normalize_serial_max()).bind(w, den, t.empty_like(w))
+            _tk.kernel(K.normalize_weight, k, 256, n * k <= _NORMALIZE_SERIAL_MAX).bind(w, den, t.empty_like(w))
         plan = _NORMALIZE[key] = (t.float32, t.empty_like, den, launch)
     return plan
 

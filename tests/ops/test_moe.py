@@ -64,23 +64,6 @@ def test_normalize_weight(target):
         assert_equal(out, big / ref.unsqueeze(1))
 
 
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_normalize_weight_serial_bound_by_vendor(vendor, monkeypatch):
-    """Weights between the two vendors' bounds (96K values) take the grid kernel on Intel and one thread's elsewhere
-    (moe._NORMALIZE_SERIAL_MAX_BY_VENDOR); both give torch's bits."""
-    from tegula.runtime import cpu
-    monkeypatch.setattr(cpu, "host_vendor", lambda: vendor)
-    monkeypatch.setattr(moe, "_NORMALIZE", {})
-    assert moe._normalize_serial_max() == (1 << 16 if vendor == "GenuineIntel" else 1 << 17)
-    w = torch.rand(12288, 8)
-    den, out = moe.normalize_weight(w)
-    ref = torch.full((w.shape[0],), 1e-20)
-    for k in range(8):
-        ref = ref + w[:, k]
-    assert_equal(den, ref)
-    assert_equal(out, w / ref.unsqueeze(1))
-
-
 # DeepSeek's routing ------------------------------------------------------------------------------------------------
 
 def top2_sum_gate_ref(logits, bias, k, ntg, ng, shared, ns, scale, ep_rank, ep_ranks, tp_rank, tp_ranks, scoring,
