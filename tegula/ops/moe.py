@@ -87,7 +87,9 @@ _NORMALIZE: dict = {}
 # weights of at most this many values are normalised by one thread (the serial kernel): where the OpenMP threads
 # sleep between regions (OMP_WAIT_POLICY=passive, as the benches set it) waking the second one costs more than
 # it gives: 2 threads wall, 4096 / 16384 / 32768 x 8: grid 52 / 30 / 58 us, one thread 7.2 / 24.6 / 47 us; with
-# spinning threads the grid is faster (8.3 / 23 / 43 us against 9.1 / 30 / 54)
+# spinning threads the grid is faster (8.3 / 23 / 43 us against 9.1 / 30 / 54). On the Intel Xeon the grid won
+# 16384 x 8 alternated back to back in one process (50-54 us against 58-60) but not in bench.tile_kernels, where
+# torch's eager calls run between samples (three runs each: medians 70 us serial, 77 grid): the bound is kept
 _NORMALIZE_SERIAL_MAX = 1 << 17
 _Tensor = None   # torch.Tensor once a call has imported torch (before that, every call takes the checks)
 
