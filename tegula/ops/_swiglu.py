@@ -19,7 +19,7 @@ from tegula.ops import _bf16_pairs as P
 from tegula.ops import _tk
 from tegula.ops._quant_kernels import (PACKED_SF, ROUND_SF, e4m3_in_range, group_scales, scale_of,
                                        store_scales)
-from tegula.ops._tk_math import exp_f32, exp_mid, fma_f32
+from tegula.ops._tk_math import exp_f32, exp_mid, fma_f32, silu_f32
 from tegula.ops.norm import pair_cast
 
 LANES = 32
@@ -79,7 +79,7 @@ def silu_table():
             for e in T.Parallel(1024):
                 bits = T.cast((b * 1024 + e) ^ TABLE_MID, "uint16")
                 lv = T.cast(T.reinterpret(bits, "bfloat16"), "float32")
-                TB[b * 1024 + e] = lv / (1.0 + exp_f32(-lv))
+                TB[b * 1024 + e] = silu_f32(lv)
     return silu_table
 
 
@@ -99,9 +99,9 @@ def _silu_table():
 
 
 @T.macro
-def silu_of_bits(X, r, j, TB):
-    """silu(X[r, j]) of a bfloat16 X from silu_table."""
-    return TB[T.cast(T.reinterpret(X[r, j], "int16"), "int32") + TABLE_MID]
+def silu_of_bits(TB, s):
+    """silu of the bfloat16 whose bits, sign-extended to int32, are ``s``, from silu_table."""
+    return TB[s + TABLE_MID]
 
 
 @T.macro
@@ -121,7 +121,7 @@ def swiglu_rows(X, r0, yv, wr, ok, clamp, BM, H, with_weight, use_clamp, mid, TB
             if use_clamp:
                 rv = T.if_then_else(rv > clamp, clamp, T.if_then_else(rv < -clamp, -clamp, rv))
             if TB is not None:
-                sv = silu_of_bits(X, r0 + i, j, TB)
+                sv = silu_of_bits(TB, T.cast(T.reinterpret(X[r0 + i, j], "int16"), "int32"))
                 if use_clamp:
                     sv = T.if_then_else(T.cast(X[r0 + i, j], "float32") > clamp, silu_c[0], sv)
                 v = sv * rv
@@ -165,7 +165,7 @@ def swiglu_forward(H, G, in_dtype, with_weight, with_p2e, use_clamp, count_clamp
             rnd = (flags & ROUND_SF) != 0
             packed = (flags & PACKED_SF) != 0
             silu_c = T.alloc_fragment((1,), "float32")  # silu(clamp): the value of every clamped left
-            silu_c[0] = clamp / (1.0 + exp_f32(-clamp))
+            silu_c[0] = silu_f32(clamp)
             # RB row groups a block; X is read in place (no staged copy; swiglu_rows prefetches the next row)
             for it in T.serial(RB):
                 r0 = (by * RB + it) * BM
@@ -249,7 +249,7 @@ def swiglu_forward_pairs(H, G, with_weight, with_p2e, use_clamp, RB=32, SW=64):
                              flags: T.int32):
         with T.Kernel(T.ceildiv(NT, RB)) as by:
             silu_c = T.alloc_fragment((1,), "float32")  # silu(clamp): the value of every clamped left
-            silu_c[0] = clamp / (1.0 + exp_f32(-clamp))
+            silu_c[0] = silu_f32(clamp)
             xe = T.alloc_fragment((1, GB, GH), "float32")
             xo = T.alloc_fragment((1, GB, GH), "float32")
             xev = T.reshape(xe, (1, H2))
@@ -273,8 +273,8 @@ def swiglu_forward_pairs(H, G, with_weight, with_p2e, use_clamp, RB=32, SW=64):
                                 k = s * SW + j * L + l
                                 wl = X[r0, k]
                                 wv = X[r0, H2 + k]
-                                se = TB[(T.reinterpret(wl << 16, "int32") >> 16) + TABLE_MID]
-                                so = TB[(T.reinterpret(wl, "int32") >> 16) + TABLE_MID]
+                                se = silu_of_bits(TB, T.reinterpret(wl << 16, "int32") >> 16)
+                                so = silu_of_bits(TB, T.reinterpret(wl, "int32") >> 16)
                                 re = P.even(wv)
                                 ro = P.odd(wv)
                                 if use_clamp:
@@ -390,12 +390,6 @@ def _int32_vector(x, name, n=None):
     return x.to(t.int32).contiguous()
 
 
-def _words(x) -> bool:
-    """Whether bfloat16 x (last stride 1, even width) can be read as uint32 words of two elements: an even row
-    stride and a 4-byte-aligned start at an even element offset."""
-    return x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.storage_offset() % 2 == 0
-
-
 def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
                                       pos_to_expert=None, use_tma_aligned_col_major_sf: bool = False,
                                       round_sf: bool = False, use_packed_ue8m0: bool = False,
@@ -440,10 +434,11 @@ def swiglu_forward_and_per_token_cast(x, fmt: str, num_per_channels: int, pos_to
     sf_user, sf_k = _tk.alloc_sf(n, hidden // G, use_tma_aligned_col_major_sf, use_packed_ue8m0)
     if n > 0:
         bf16 = x.dtype == t.bfloat16
-        if bf16 and clamped_count is None and _words(x):
+        words = _tk.pair_words(x) if bf16 and clamped_count is None else None
+        if words is not None:
             k = _tk.kernel(swiglu_forward_pairs, hidden, G, with_weight, pos_to_expert is not None,
                            swiglu_clamp_value is not None)
-            k(x.view(t.uint32), out.view(t.uint16), sf_k, p2t, tw, p2e, _silu_table(), clamp, sf_min, flags)
+            k(words, out.view(t.uint16), sf_k, p2t, tw, p2e, _silu_table(), clamp, sf_min, flags)
             return out, sf_user
         k = _tk.kernel(swiglu_forward, hidden, G, "bfloat16" if bf16 else "float32", with_weight,
                        pos_to_expert is not None, swiglu_clamp_value is not None, clamped_count is not None)

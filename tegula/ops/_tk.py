@@ -168,3 +168,12 @@ def sf_words(sf, name: str, rows: int, cols: int):
         raise ValueError(f"{name} must have shape {want} ({'packed UE8M0 ' if packed else ''}scales), got "
                          f"{tuple(sf.shape)}")
     return (sf if packed else sf.view(t.int32)), packed
+
+
+def pair_words(x):
+    """bfloat16 ``x`` (rows, columns) viewed as uint32 words of two elements (tegula.ops._bf16_pairs), or None where
+    no such view exists: an odd column count or row stride, or a start that is not 4-byte aligned (a view into a
+    larger tensor). Those take the element-wise kernel."""
+    if x.shape[1] % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        return None
+    return x.view(torch().uint32)

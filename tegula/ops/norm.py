@@ -386,19 +386,18 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
             touch = T.alloc_fragment((BM, GH), "uint32")
             gmax = T.alloc_fragment((GMAX,), "uint32")  # past a row's groups: 0
             gtop = T.alloc_fragment((1,), "uint32")
-            fz = T.alloc_fragment((1,), "int32")  # this row takes _fused_cast
             T.fill(gmax, 0)
             ngroups = T.ceildiv(H2 * 2, G)
             for rb in T.Pipelined(RB, num_stages=2):
                 r0 = (bg * RB + rb) * BM
-                fz[0] = 0
-                if r0 < NT and FUSED and H2 % W2 == 0 and ngroups <= GMAX:
+                fused = r0 < NT and FUSED and H2 % W2 == 0 and ngroups <= GMAX  # this row takes _fused_cast
+                if fused:
                     _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs, Wt, gmax, GH, GMAX)
                     T.reduce_max(T.reshape(gmax, (1, GMAX)), gtop, dim=1)
-                    fz[0] = T.cast(gtop[0] < 0x7F800000 and rstd[0] < T.infinity("float32"), "int32")
+                    fused = gtop[0] < 0x7F800000 and rstd[0] < T.infinity("float32")
                 elif r0 < NT:
                     _rstd_pairs(X, acc2, acc, rstd, r0, H2, eps, BM, W2, xs)
-                if r0 < NT and fz[0] != 0:
+                if fused:
                     _fused_cast(X, Wt, Q, S, gmax, rstd, touch, r0, H2, NT, ngroups, maxv, cmin, flags, GMAX, GB, GH,
                                 W2)
                 elif r0 < NT:

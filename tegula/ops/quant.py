@@ -75,15 +75,6 @@ def _pairs_width(hidden: int, fmt: str, G: int, packed: bool) -> int:
     return _widest(hidden, unit, 1024) if fmt == "e2m1" else _width(hidden, unit)
 
 
-def _pair_words(x):
-    """bfloat16 ``x`` (rows, columns) viewed as uint32 words of two elements (tegula.ops._bf16_pairs), or None where
-    no such view exists: an odd column count or row stride, or a start that is not 4-byte aligned (a view into a
-    larger tensor). Those take the element-wise kernel."""
-    if x.shape[1] % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        return None
-    return x.view(_tk.torch().uint32)
-
-
 def _pairs_shape(hidden: int, fmt: str, G: int, col_major: bool, packed: bool):
     """(W, RB) of KP.per_token_pairs: column-major scales (packed too) take blocks of 16 rows that write their
     scales at the end (a row's written per tile are lines 75 KB apart at 18688 tokens: 2x slower); packed scales
@@ -158,7 +149,7 @@ def _per_token(x, fmt, num_per_channels, x_block_size, col_major, round_sf, pack
     out, out_k = _out(num_tokens, hidden, fmt) if mode != "sf_only" else (None, None)
     if num_tokens > 0:
         q_arg = out_k if out_k is not None else _out(1, 2, fmt)[1]
-        words = _pair_words(xin) if kind == "bfloat16" and mode == "cast" and not row else None
+        words = _tk.pair_words(xin) if kind == "bfloat16" and mode == "cast" and not row else None
         if row:
             _tk.kernel(K.per_row_cast, kind, fmt)(xin, q_arg, sf_k, hidden, flags)
         elif words is not None:  # bf16 read as words of two elements (_bf16_pairs)
@@ -226,7 +217,7 @@ def _per_block(x, fmt, block_size, col_major, round_sf, packed, mode, sf=None):
     if num_tokens > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
         HP = _tk.align(hidden, max(bc, 64))
-        words = _pair_words(x) if kind == "bfloat16" and fmt == "e4m3" and mode == "cast" else None
+        words = _tk.pair_words(x) if kind == "bfloat16" and fmt == "e4m3" and mode == "cast" else None
         if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
             _tk.kernel(KP.per_block_pairs, bt, bc, HP)(words, out_k.view(t.uint16), sf_k, hidden, flags)
         else:
@@ -272,7 +263,7 @@ def per_channel_cast(x, fmt: str, num_per_tokens: int, round_sf: bool = False):
     sf = t.empty((num_tokens // 128, hidden), dtype=t.float32)
     if num_tokens > 0 and hidden > 0:
         kind = "float32" if x.dtype == t.float32 else "bfloat16"
-        words = _pair_words(x) if kind == "bfloat16" and hidden % 64 == 0 else None
+        words = _tk.pair_words(x) if kind == "bfloat16" and hidden % 64 == 0 else None
         if words is not None:  # bf16 read as words of two elements (_bf16_pairs)
             _tk.kernel(KP.per_channel_pairs, hidden)(words, out.view(t.uint16), sf.view(t.int32), flags)
         else:
