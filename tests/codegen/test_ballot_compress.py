@@ -172,6 +172,51 @@ def test_compress16_equals_interp(n, kdtype, vdtype):
             assert torch.equal(a, b), (n, t, outs)
 
 
+def index_compress_kernel(n, start, kdtype, vdtype):
+    """X[j] (as kdtype) and the index j itself (cast to vdtype, or as it is when int32) appended in order for
+    the j in [start, n) with X[j] > t: the compress idiom carries the index as a vector of lanes."""
+    @T.prim_func
+    def index_compress(X: T.Tensor((n,), "int16"), K: T.Tensor((n + 1,), kdtype), V: T.Tensor((n + 1,), vdtype),
+                       C: T.Tensor((1,), "int32"), t: T.int32):
+        with T.Kernel(1, threads=1) as _:
+            ck = T.alloc_shared((n + 1,), kdtype)
+            cv = T.alloc_shared((n + 1,), vdtype)
+            cnt = T.cast(0, "int32")
+            for j in T.serial(start, n):
+                if T.cast(X[j], "int32") > t:
+                    ck[cnt] = T.cast(X[j], kdtype)
+                    cv[cnt] = j if vdtype == "int32" else T.cast(j, vdtype)
+                    cnt = cnt + 1
+            for i in T.serial(cnt):
+                K[i] = ck[i]
+                V[i] = cv[i]
+            C[0] = cnt
+    return index_compress
+
+
+@pytest.mark.parametrize("n,start", [(33, 0), (100, 5), (1000, 37), (70000, 3)])
+@pytest.mark.parametrize("kdtype,vdtype", [("int16", "int16"), ("int16", "uint16"), ("int32", "int32")])
+def test_compress_carries_the_loop_index(n, start, kdtype, vdtype):
+    # (int16 indices of a 70000-long loop wrap, as the cast does in the interpreter)
+    f = index_compress_kernel(n, start, kdtype, vdtype)
+    kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
+    assert "tg_iota" in kc.get_kernel_source()
+    store_dt = {"int16": torch.int16, "uint16": torch.int16, "int32": torch.int32}
+    view_dt = {"int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32}
+    torch.manual_seed(n)
+    for t in (-10**6, 0, 10**6, 90):   # all survive, about half, none, a few
+        x = torch.randint(-100, 100, (n,), dtype=torch.int16)
+        outs = []
+        for k in (kc, ki):
+            ok = torch.full((n + 1,), -7, dtype=store_dt[kdtype])
+            ov = torch.full((n + 1,), -7, dtype=store_dt[vdtype])
+            c = torch.zeros(1, dtype=torch.int32)
+            k(x, ok.view(view_dt[kdtype]), ov.view(view_dt[vdtype]), c, t)
+            outs.append((ok, ov, c))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (n, t, outs)
+
+
 def test_guarded_loads_are_not_speculated():
     # X[j + 1] is read only where j + 1 < n: computing it for every lane could read past X, so not compressed
     n = 40
