@@ -19,7 +19,7 @@ indices come out ascending unless values are sorted (an LSD radix sort on 8-bit 
 
 Three kernels: ``rows`` (one block per row), and for rows split over several cores ``parts`` (one block per
 (segment, row), writing each segment's top-k keys and indices to a workspace) followed by ``merge`` (one block
-per row, filtering the workspace the same way).
+per row, appending each segment's keys above the threshold by compressing stores, selecting as the buffer fills).
 """
 from __future__ import annotations
 
@@ -93,7 +93,6 @@ def _state(raw, short=False):
         ti=T.alloc_shared((KMAX + 1,), "int32"),    # branch-free compaction stores one past the last kept)
         hist=T.alloc_shared((256,), "int32"),       # sort_by_value's digit counts
         xs=T.alloc_fragment((BLOCK,), raw),         # one block of the input (raw values)
-        ws=T.alloc_fragment((BLOCK,), "int32"),     # one block of a workspace (keys)
         kk=T.alloc_fragment((CHUNK,), "int32"),     # the keys of one chunk
         fb=T.alloc_fragment((NSUB, SUB), "uint32"),
         masks=T.alloc_fragment((NSUB,), "uint32"),
@@ -331,20 +330,20 @@ def _macros(bits):
             b.st[3] = T.min(b.st[3], thr + 1)
 
     @T.macro
-    def pass2(b, xb, off, base, src_idx, row, raw_src, thr):
+    def pass2(b, xb, off, base, thr):
         """Append the keys of xb[off : off + CHUNK] above thr: a bit mask per SUB keys (a ballot) whose set bits
         T.clz walks, in order."""
         # 16-bit keys are compared in their own width (twice the lanes per vector): key > thr is key >= thr + 1,
         # clamped to the keys' range (callers make sure thr < 32767)
         thr_raw = T.cast(T.min(T.max(thr + 1, KEY_MIN), 32767), raw_t) if bits == 16 else thr
-        narrow = raw_src and bits == 16   # the walk then takes each survivor's key from xb itself
+        narrow = bits == 16   # the walk then takes each survivor's key from xb itself
         sub, mt = (SUB16, "uint64") if narrow else (SUB, "uint32")
         fb, masks = (b.fb16, b.masks16) if narrow else (b.fb, b.masks)
         for s, j in T.Parallel(CHUNK // sub, sub):
             if narrow:
                 fb[s, j] = T.cast(key_raw(xb[off + s * sub + j]) >= thr_raw, mt) << T.cast(j, mt)
             else:
-                kv = key_of(xb[off + s * SUB + j]) if raw_src else xb[off + s * SUB + j]
+                kv = key_of(xb[off + s * SUB + j])
                 b.kk[s * SUB + j] = kv
                 b.fb[s, j] = T.cast(kv > thr, "uint32") << T.cast(j, "uint32")
         T.reduce_sum(fb, masks, dim=1)   # distinct bits: the sum is the OR, bit j for key j
@@ -359,7 +358,7 @@ def _macros(bits):
                 m = m & (m - 1)
                 kv = key_of(xb[off + s * sub + j]) if narrow else b.kk[s * SUB + j]
                 b.ck[cnt] = kv
-                b.ci[cnt] = base + s * sub + j if raw_src else src_idx[row, base + s * SUB + j]
+                b.ci[cnt] = base + s * sub + j
                 cnt = cnt + 1
                 top = T.max(top, kv)
                 bot = T.min(bot, kv)
@@ -369,13 +368,13 @@ def _macros(bits):
         b.st[3] = bot
 
     @T.macro
-    def chunk(b, xb, off, base, src_idx, row, raw_src, k, b2, dense=False):
+    def chunk(b, xb, off, base, k, b2, dense=False):
         """Append the keys of xb[off : off + CHUNK] (positions base...) that beat the threshold st[1]. A first
         cheap pass finds whether any does (each lane's largest key), and only then the ballot pass (pass2)
         runs; 16-bit rows skip the first pass while the previous chunk had survivors (st[4]), as most chunks
         of a long row do, and keep only its magnitudes (the NaN check)."""
         thr = b.st[1]
-        if raw_src and bits == 16 and b.st[4] != 0:
+        if bits == 16 and b.st[4] != 0:
             for lane in T.Parallel(LANES):
                 mag = b.mg[lane]
                 for j in _ROWS:
@@ -385,48 +384,45 @@ def _macros(bits):
                 if dense:
                     pass2_dense(b, xb, off, base, thr)
                 else:
-                    pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+                    pass2(b, xb, off, base, thr)
             else:
                 b.st[4] = 0
         else:
             # pass 1, cheap: each lane's largest key (and raw magnitude) over the chunk, in the keys' own width
             for lane in T.Parallel(LANES):
                 v = xb[off + lane]
-                top_key = key_raw(v) if raw_src else v
-                if raw_src:
-                    mag = T.max(b.mg[lane], v & low)
+                top_key = key_raw(v)
+                mag = T.max(b.mg[lane], v & low)
                 for j in _ROWS_AFTER_FIRST:
                     v = xb[off + j * LANES + lane]
-                    top_key = T.max(top_key, key_raw(v) if raw_src else v)
-                    if raw_src:
-                        mag = T.max(mag, v & low)
+                    top_key = T.max(top_key, key_raw(v))
+                    mag = T.max(mag, v & low)
                 b.lmax[lane] = T.cast(top_key, "int32")
-                if raw_src:
-                    b.mg[lane] = mag
+                b.mg[lane] = mag
             T.reduce_max(b.lmax[0:LANES], b.ext[0:1], dim=0)
             if b.ext[0] > thr:
                 if dense:
                     pass2_dense(b, xb, off, base, thr)
                 else:
-                    pass2(b, xb, off, base, src_idx, row, raw_src, thr)
+                    pass2(b, xb, off, base, thr)
         if b.st[0] >= k + b2:
             select(b, k)
 
     @T.macro
-    def scan(b, lo, hi, src, src_idx, row, raw_src, k, b2, dense=False):
-        """Append the keys of positions [lo, hi) of src[row, :] that beat the threshold st[1] (with their
-        indices: the positions, or src_idx[row, p] for a workspace), in order; select when the buffer fills.
-        Raw sources are converted to keys, and b.mg keeps the largest magnitudes (for the NaN check). The input
+    def scan(b, lo, hi, src, row, k, b2, dense=False):
+        """Append the keys of positions [lo, hi) of the input row src[row, :] that beat the threshold st[1] (with
+        their positions), in order; select when the buffer fills. b.mg keeps the largest raw magnitudes (for the
+        NaN check). The input
         comes in BLOCKs: 16-bit rows read in place, the rest copied to xb through a T.Pipelined loop (the CPU
         target prefetches the next block meanwhile)."""
-        xb = b.xs if raw_src else b.ws
+        xb = b.xs
         nblk = (hi - lo) // BLOCK
         # 16-bit rows: a plain loop; the software prefetch of the next block cost more than it saved there
         # (1 thread CPU time: b1 32K k2048 -4%, b1 1M -5..-10%, from DRAM too), not so for 32-bit rows (b8 fp32
         # sampler from DRAM +5% without it)
-        pipe = not (raw_src and bits == 16)
+        pipe = bits != 16
         for blk in (T.Pipelined(nblk, num_stages=2) if pipe else T.serial(nblk)):
-            if raw_src and bits == 16:
+            if bits == 16:
                 # the row is read in place, no staging copy to xb: pass2_dense's scan first (b1 8K k512 kernel
                 # -7..-20% on a Zen 4), then all (on an Intel Xeon the copy, glibc's rep movsb of 4 KiB, took 2/3
                 # of b16 1M k512's time and 1/2 of b1 1M's segments; 1 thread: b16 1M k512 5.49 -> 4.71 ms, k2048
@@ -436,30 +432,56 @@ def _macros(bits):
                 if lo + blk * BLOCK + (BLOCK - 1) < src.shape[1]:
                     xr = _RowView(src, row, lo + blk * BLOCK)
                     for q in T.serial(BLOCK // CHUNK):
-                        chunk(b, xr, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2, dense)
+                        chunk(b, xr, q * CHUNK, lo + blk * BLOCK + q * CHUNK, k, b2, dense)
             else:
                 T.copy(src[row, lo + blk * BLOCK], xb)   # a whole-tile copy: one bounds test, not one per element
                 for q in T.serial(BLOCK // CHUNK):
-                    chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, src_idx, row, raw_src, k, b2, dense)
+                    chunk(b, xb, q * CHUNK, lo + blk * BLOCK + q * CHUNK, k, b2, dense)
         nfull = (hi - lo) // CHUNK
         for c in T.serial(nblk * (BLOCK // CHUNK), nfull):
             T.copy(src[row, lo + c * CHUNK], xb[0:CHUNK])
-            chunk(b, xb, 0, lo + c * CHUNK, src_idx, row, raw_src, k, b2, dense)
+            chunk(b, xb, 0, lo + c * CHUNK, k, b2, dense)
         tail = lo + nfull * CHUNK
         thr = b.st[1]
         cnt = b.st[0]
         top = b.st[2]
         bot = b.st[3]
         for j in T.serial(hi - tail):
-            kv = key_of(src[row, tail + j]) if raw_src else src[row, tail + j]
-            if raw_src:
-                b.mg[0] = T.max(b.mg[0], src[row, tail + j] & low)
+            kv = key_of(src[row, tail + j])
+            b.mg[0] = T.max(b.mg[0], src[row, tail + j] & low)
             if kv > thr:
                 b.ck[cnt] = kv
-                b.ci[cnt] = tail + j if raw_src else src_idx[row, tail + j]
+                b.ci[cnt] = tail + j
                 cnt = cnt + 1
                 top = T.max(top, kv)
                 bot = T.min(bot, kv)
+        b.st[0] = cnt
+        b.st[2] = top
+        b.st[3] = bot
+
+    @T.macro
+    def append_part(b, WK, WI, row, s, k):
+        """Append the keys of part s of a merge's workspace row (WK/WI[row, s*k : (s+1)*k]) above the threshold
+        st[1], in order (INT_MIN fills a short part's end: never above it), and their range: one loop in the
+        compress form (16 keys at a time) where scan's ballot and bit walk went key by key through a workspace
+        nearly all of whose keys pass (b1 1M k2048: 4096 keys, merge ~15 -> ~4 us)."""
+        thr = b.st[1]
+        first = b.st[0]
+        cnt = first
+        top = b.st[2]
+        bot = b.st[3]
+        if s * k + (k - 1) < WK.shape[1]:   # (always: the fact that lets the loop's reads go unguarded)
+            for i in T.serial(k):
+                kv = WK[row, s * k + i]
+                ix = WI[row, s * k + i]   # (read for every key: the compress form's values are)
+                if kv > thr:
+                    b.ck[cnt] = kv
+                    b.ci[cnt] = ix
+                    cnt = cnt + 1
+        # their range in a loop of its own (in the one above, a reduction across each group's lanes per group)
+        for i in T.serial(cnt - first):
+            top = T.max(top, b.ck[first + i])
+            bot = T.min(bot, b.ck[first + i])
         b.st[0] = cnt
         b.st[2] = top
         b.st[3] = bot
@@ -548,9 +570,9 @@ def _macros(bits):
         again = T.cast(1, "int32")
         while again != 0:
             if bits == 16 and dense != 0:   # a scan of its own: the other keeps its code as it was
-                scan(b, lo, hi, src, src, row, True, k, b2, True)
+                scan(b, lo, hi, src, row, k, b2, True)
             else:
-                scan(b, lo, hi, src, src, row, True, k, b2)
+                scan(b, lo, hi, src, row, k, b2)
             again = 0
             if sampled != 0 and b.st[0] < k:
                 sampled = 0
@@ -616,7 +638,7 @@ def _macros(bits):
             T.atomic_max(Flag[0], 1)
 
     return SimpleNamespace(key_of=key_of, scan=scan, select=select, top_range=top_range, short_row=short_row,
-                           widen16=widen16, emit16=emit16, emit=emit, flag_nan=flag_nan)
+                           widen16=widen16, emit16=emit16, emit=emit, flag_nan=flag_nan, append_part=append_part)
 
 
 def rows_kernel(bits, idx_dtype):
@@ -710,9 +732,11 @@ def merge_kernel(bits, idx_dtype):
             length = T.min(T.max(End[r], 0), n)
             if length != End[r]:
                 T.atomic_max(Flag[1], 1)
-            M.scan(b, 0, wlen, WK, WI, r, False, k, b2)
-            if b.st[0] > k:
-                M.select(b, k)
+            for s in T.serial(nseg):
+                M.append_part(b, WK, WI, r, s, k)
+                if b.st[0] + k > CAP or s == nseg - 1:
+                    if b.st[0] > k:
+                        M.select(b, k)
             M.emit(b, r, k, by_value, Off[r], Vals, Idx, idx_fill, val_fill, idx_dtype)
             big = T.cast(0, "int32")
             for s in T.serial(nseg):

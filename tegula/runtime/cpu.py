@@ -97,12 +97,37 @@ def _host_flags() -> frozenset:
     return frozenset(info.get("flags", info.get("Features", "")).split())
 
 
+# where the compiler takes them (gcc >= 12 on x86): block copies (a loop that only moves 64 bytes, which gcc turns
+# into a copy by pieces) in 512-bit moves as well. In 256-bit pieces, a 64-byte group of lanes written as two
+# halves and read back as one zmm (the compress idiom's values, tegula_compress.h) failed store forwarding: ~20%
+# of top-k's selects and merge waited on it (b1 1M k2048 merge 8.6 -> 5.2 us on an Intel Xeon)
+_MOVE_FLAGS = ("-mmove-max=512", "-mstore-max=512")
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts(cc: str, opts: tuple) -> bool:
+    """Whether ``cc`` compiles a trivial file with the options ``opts`` (without a warning about them)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.c")
+        with open(src, "w") as f:
+            f.write("int f(int x){return x + 1;}\n")
+        try:
+            r = subprocess.run([cc, *opts, "-Werror", "-c", src, "-o", os.path.join(d, "t.o")], capture_output=True,
+                               timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return r.returncode == 0
+
+
 def vector_flags() -> list[str]:
     """Loops vectorise at the widest width the host has: with -march=native on Intel AVX-512 parts gcc tunes for
     256-bit vectors (-mprefer-vector-width=256, a guard against old parts' 512-bit clock drop), which halved the
     width of every auto-vectorised loop; measured on a 2-core Xeon (gcc 12, -march=rocketlake): topk b1 8K k2048
-    10.0 -> 5.5 us. TEGULA_CFLAGS comes after, so -mprefer-vector-width=256 there restores gcc's choice."""
-    return ["-mprefer-vector-width=512"] if "avx512f" in _host_flags() else []
+    10.0 -> 5.5 us. Block copies go 512 bits at a time too (_MOVE_FLAGS) where the compiler has the options.
+    TEGULA_CFLAGS comes after, so -mprefer-vector-width=256 there restores gcc's choice."""
+    if "avx512f" not in _host_flags():
+        return []
+    return ["-mprefer-vector-width=512"] + (list(_MOVE_FLAGS) if _accepts(compiler(), _MOVE_FLAGS) else [])
 
 
 def flags() -> list[str]:

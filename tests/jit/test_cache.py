@@ -82,6 +82,22 @@ def test_vector_width_follows_the_host_and_yields_to_tegula_cflags(monkeypatch):
     assert fl.index("-mprefer-vector-width=256") > fl.index("-mprefer-vector-width=512")
 
 
+def test_block_move_width_only_where_the_compiler_takes_it(monkeypatch):
+    monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    monkeypatch.setattr(cpu, "_accepts", lambda cc, opts: False)
+    assert "-mmove-max=512" not in cpu.flags() and "-mprefer-vector-width=512" in cpu.flags()
+    monkeypatch.setattr(cpu, "_accepts", lambda cc, opts: True)
+    assert "-mmove-max=512" in cpu.flags() and "-mstore-max=512" in cpu.flags()
+    monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx2", "fma"}))
+    assert "-mmove-max=512" not in cpu.flags()
+
+
+def test_option_probe_rejects_what_the_compiler_does_not_know():
+    cc = cpu.compiler()
+    assert not cpu._accepts(cc, ("-mno-such-option-tegula",))
+    assert cpu._accepts(cc, ("-O2",))
+
+
 def test_changed_emitted_source_misses_the_disk_cache(fresh_cache, monkeypatch):
     # same IR text, toolchain and prelude, but the emitter now writes another source (a compiler change): the binary
     # built from the old source must not be loaded
