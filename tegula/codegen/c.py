@@ -178,11 +178,12 @@ class CEmitter(CFamilyEmitter):
         n, v = self.nm(cnt), self.nm(s.var)
         jb, ln, end, mk, sel = (self.fresh(x) for x in ("tg_jb", "tg_l", "tg_end", "tg_mask", "tg_sel"))
         vals = [self.fresh("tg_val") for _ in stores]
-        # a value that is the loop index (or its cast to an integer type) is carried as a vector of lanes, the
-        # group's indices, stepped by the group size each group: gcc keeps it in a register (one vpaddw), where
-        # (int16_t)(jb + l) was a broadcast of jb, two 32-bit adds and a pack per group (3 of the 9 port-5 uops of
-        # top-k's dense scan; its loop 65 -> 52 us for 512K keys in L2 on an Intel Xeon)
-        offs = [_index_offset(st.value, s.var) for st in stores]
+        # an integer value that is the loop index plus an offset the loop does not change (_index_offset) is
+        # carried as a vector of lanes, the group's values, stepped by the group size each group: gcc keeps it in
+        # a register (one vpaddw), where (int16_t)(jb + l) was a broadcast of jb, two 32-bit adds and a pack per
+        # group (3 of the 9 port-5 uops of top-k's dense scan; its loop 65 -> 52 us for 512K keys in L2 on an
+        # Intel Xeon)
+        offs = [_index_offset(st.value, s.var) if st.buffer.dtype.is_int else None for st in stores]
         iotas = [None if o is None else self.fresh("tg_iota") for o in offs]
         self.w("{")
         self.ind += 1

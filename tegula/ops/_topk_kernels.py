@@ -412,9 +412,8 @@ def _macros(bits):
     def scan(b, lo, hi, src, row, k, b2, dense=False):
         """Append the keys of positions [lo, hi) of the input row src[row, :] that beat the threshold st[1] (with
         their positions), in order; select when the buffer fills. b.mg keeps the largest raw magnitudes (for the
-        NaN check). The input
-        comes in BLOCKs: 16-bit rows read in place, the rest copied to xb through a T.Pipelined loop (the CPU
-        target prefetches the next block meanwhile)."""
+        NaN check). The input comes in BLOCKs: 16-bit rows read in place, the rest copied to xb through a
+        T.Pipelined loop (the CPU target prefetches the next block meanwhile)."""
         xb = b.xs
         nblk = (hi - lo) // BLOCK
         # 16-bit rows: a plain loop; the software prefetch of the next block cost more than it saved there
