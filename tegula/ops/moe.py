@@ -43,6 +43,7 @@ __all__ = ["topk_gate", "top2_sum_gate", "normalize_weight", "get_fused_mapping"
 _SCORING = {"sigmoid": K.SIGMOID, "sqrtsoftplus": K.SQRTSOFTPLUS, "softmax": K.SOFTMAX}
 _CHUNK = 4096
 _MAPPING_SERIAL_MAX = 1 << 18   # see get_fused_mapping
+_MAPPING_OUT = _tk.Recycled()     # get_fused_mapping's result block
 
 
 def topk_gate(scores, num_topk: int):
@@ -72,17 +73,18 @@ def normalize_weight(topk_weights):
         _tk.check_tensor(w, "topk_weights", (t.float32,), 2)
         w = w.contiguous()
         plan = _normalize_plan(t, w)
-    _, empty_like, den_like, launch = plan
-    # empty_like(a contiguous float32 CPU tensor) parses ~0.2 us faster than empty(n, dtype=...)
-    den = empty_like(den_like)
-    out = empty_like(w)
+    f32, den_out, out_out, launch = plan
+    # both results in the last call's memory where the caller has let go of it (_tk.Recycled: new memory faulted
+    # in anew, 512 KB of it at 16384 x 8, when torch's allocations between calls had the heap trimmed)
+    den = den_out.take(w.shape[:1], f32)
+    out = out_out.take(w.shape, f32)
     if launch is not None:
         launch(w, den, out)
     return den, out
 
 
-# (shape, raw TEGULA_TARGET) -> normalize_weight's plan for contiguous float32 CPU weights: (torch.float32,
-# torch.empty_like, a (num_tokens,) float32 tensor, the bound launcher or None when there is nothing to compute)
+# (shape, raw TEGULA_TARGET) -> normalize_weight's plan for contiguous float32 CPU weights: (torch.float32, the
+# denominators' and the weights' _tk.Recycled, the bound launcher or None when there is nothing to compute)
 _NORMALIZE: dict = {}
 # weights of at most this many values are normalised by one thread (the serial kernel): where the OpenMP threads
 # sleep between regions (OMP_WAIT_POLICY=passive, as the benches set it) waking the second one costs more than
@@ -104,7 +106,7 @@ def _normalize_plan(t, w):
         den = t.empty((n,), dtype=t.float32)
         launch = None if n == 0 or k == 0 else \
             _tk.kernel(K.normalize_weight, k, 256, n * k <= _NORMALIZE_SERIAL_MAX).bind(w, den, t.empty_like(w))
-        plan = _NORMALIZE[key] = (t.float32, t.empty_like, den, launch)
+        plan = _NORMALIZE[key] = (t.float32, _tk.Recycled(), _tk.Recycled(), launch)
     return plan
 
 
@@ -246,10 +248,9 @@ def get_fused_mapping(topk_idx, num_experts: int, num_expanded_tokens: int, alig
     need = int(end[-1])
     if need > ne:
         raise ValueError(f"num_expanded_tokens ({ne}) is too small: the layout needs {need} rows")
-    # the four int32 results share one allocation: freed together, it raises glibc's trim threshold past its own
-    # size, so the next call's block is the same heap memory again (four separate blocks were each trimmed back to
-    # the system and page-faulted anew, ~1 ms a call at 16384 x 8)
-    block = t.empty((3 * ne + n * kk,), dtype=t.int32)
+    # the four int32 results share one allocation, the last call's again where the caller has let go of all of
+    # them (_tk.Recycled: a new one page-faults anew, ~1 ms a call at 16384 x 8)
+    block = _MAPPING_OUT.take((3 * ne + n * kk,), t.int32)
     p2e, p2t, p2tt = block[:ne], block[ne:2 * ne], block[2 * ne:3 * ne]
     ttp = block[3 * ne:].view(n, kk)
     # one scattered store per entry (its position's entry, P2TT), then the position-ordered arrays from it

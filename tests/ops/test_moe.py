@@ -64,6 +64,27 @@ def test_normalize_weight(target):
         assert_equal(out, big / ref.unsqueeze(1))
 
 
+def test_normalize_weight_by_reciprocal_keeps_the_quotients_bits(target):
+    # whole blocks of 256 rows divide by one reciprocal a row and an fma correction where every |d| and nonzero
+    # |w| lies in [2^-40, 2^40]: magnitudes across that range, both signs, zeros of both signs; blocks 1 and 3
+    # hold one value outside it each (the block divides), and the last rows form a partial block
+    n, k = 4 * 256 + 77, 8
+    g = torch.Generator().manual_seed(3)
+    w = (torch.rand(n, k, generator=g) + 0.5) * torch.pow(2.0, torch.randint(-38, 38, (n, k), generator=g).float())
+    w = torch.where(torch.rand(n, k, generator=g) < 0.3, -w, w)
+    w[torch.rand(n, k, generator=g) < 0.05] = 0.0
+    w[torch.rand(n, k, generator=g) < 0.05] = -0.0
+    w[300, 2] = 1e-30
+    w[800, 5] = 3e15
+    w[1030] = torch.tensor([2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])   # d = 1e-20
+    den, out = moe.normalize_weight(w)
+    ref = torch.full((n,), 1e-20)
+    for j in range(k):
+        ref = ref + w[:, j]
+    assert_equal(den, ref)
+    assert_equal(out, w / ref.unsqueeze(1))   # (bytes: a zero's sign too)
+
+
 # DeepSeek's routing ------------------------------------------------------------------------------------------------
 
 def top2_sum_gate_ref(logits, bias, k, ntg, ng, shared, ns, scale, ep_rank, ep_ranks, tp_rank, tp_ranks, scoring,
@@ -228,6 +249,38 @@ def test_get_fused_mapping_both_walks(target, monkeypatch, serial_max):
     bad.view(-1)[-1] = 72
     with pytest.raises(ValueError, match="topk_idx"):
         moe.get_fused_mapping(bad, 72, 0, 64)
+
+
+def test_results_reuse_memory_only_once_let_go(target):
+    """get_fused_mapping and normalize_weight hand out their last result's memory again only where the caller
+    holds none of it (a view, a numpy array of it): a kept result stays as it was."""
+    n = tokens(target)
+    idx1, idx2 = random_topk_idx(n, 72, 6), random_topk_idx(n, 72, 6)
+    r1 = moe.get_fused_mapping(idx1, 72, 4096 * 8, 64)
+    kept = r1[3][1:]   # a view of a view: the block stays referenced
+    copy = kept.clone()
+    addr = r1[0].data_ptr()
+    del r1
+    r2 = moe.get_fused_mapping(idx2, 72, 4096 * 8, 64)
+    assert r2[0].data_ptr() != addr and torch.equal(kept, copy)
+    addr = r2[0].data_ptr()
+    del r2, kept
+    r3 = moe.get_fused_mapping(idx1, 72, 4096 * 8, 64)
+    assert r3[0].data_ptr() == addr   # nothing held it: the same memory, rewritten
+    ref = moe.get_fused_mapping(idx1.clone(), 72, 4096 * 8, 64)
+    assert all(torch.equal(a, b) for a, b in zip(r3[:7], ref[:7]))
+    w1, w2 = torch.rand(n, 8), torch.rand(n, 8)
+    den1, out1 = moe.normalize_weight(w1)
+    held = out1.numpy()
+    expect = held.copy()
+    del out1
+    moe.normalize_weight(w2)
+    assert (held == expect).all() and torch.equal(torch.from_numpy(held), w1 / den1.unsqueeze(1))
+    den3, out3 = moe.normalize_weight(w1)
+    addr = out3.data_ptr(), den3.data_ptr()
+    del den3, out3
+    den4, out4 = moe.normalize_weight(w2)
+    assert (out4.data_ptr(), den4.data_ptr()) == addr and torch.equal(out4, w2 / den4.unsqueeze(1))
 
 
 @pytest.mark.parametrize("n", [0, 5])

@@ -15,8 +15,10 @@
 #endif
 
 #define TG_EXPORT __attribute__((visibility("default")))
-#define TG_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define TG_MAX(a, b) ((a) > (b) ? (a) : (b))
+/* each operand evaluated once, in a temporary: the plain ((a) > (b) ? (a) : (b)) doubled its operands' text at
+ * every level, so a chain of n nested maxima (T.max over the unrolled k of a row) came out 2^n times as long */
+#define TG_MIN(a, b) ({ __auto_type tg_a_ = (a); __auto_type tg_b_ = (b); tg_a_ < tg_b_ ? tg_a_ : tg_b_; })
+#define TG_MAX(a, b) ({ __auto_type tg_a_ = (a); __auto_type tg_b_ = (b); tg_a_ > tg_b_ ? tg_a_ : tg_b_; })
 #define TG_ABS(a) ((a) < 0 ? -(a) : (a))
 
 static inline float tg_round_bf16(float x) { return tg_bf16_to_f32(tg_f32_to_bf16(x)); }
