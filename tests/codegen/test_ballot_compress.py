@@ -156,10 +156,16 @@ def test_compress16_equals_interp(n, kdtype, vdtype):
     kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
     src = kc.get_kernel_source()
     assert ("tg_compress32_16(" in src) == (vdtype != "int32") and "tg_compress16_32(" not in src
+    same_appends(kc, ki, n, kdtype, vdtype, (-10**6, 0, 10**6, 150))
+
+
+def same_appends(kc, ki, n, kdtype, vdtype, thresholds):
+    """Both kernels (X int16 (n,), K kdtype / V vdtype (n + 1,), C, t) give the same K, V and C on random X for
+    each threshold t (all keys passing, about half, none, a few)."""
     store_dt = {"int16": torch.int16, "uint16": torch.int16, "int32": torch.int32}
     view_dt = {"int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32}
     torch.manual_seed(n)
-    for t in (-10**6, 0, 10**6, 150):   # all survive, about half, none, a few
+    for t in thresholds:
         x = torch.randint(-100, 100, (n,), dtype=torch.int16)
         outs = []
         for k in (kc, ki):
@@ -201,20 +207,7 @@ def test_compress_carries_the_loop_index(n, start, kdtype, vdtype):
     f = index_compress_kernel(n, start, kdtype, vdtype)
     kc, ki = tegula.compile(f, target="c"), tegula.compile(f, target="interp")
     assert "tg_iota" in kc.get_kernel_source()
-    store_dt = {"int16": torch.int16, "uint16": torch.int16, "int32": torch.int32}
-    view_dt = {"int16": torch.int16, "uint16": torch.uint16, "int32": torch.int32}
-    torch.manual_seed(n)
-    for t in (-10**6, 0, 10**6, 90):   # all survive, about half, none, a few
-        x = torch.randint(-100, 100, (n,), dtype=torch.int16)
-        outs = []
-        for k in (kc, ki):
-            ok = torch.full((n + 1,), -7, dtype=store_dt[kdtype])
-            ov = torch.full((n + 1,), -7, dtype=store_dt[vdtype])
-            c = torch.zeros(1, dtype=torch.int32)
-            k(x, ok.view(view_dt[kdtype]), ov.view(view_dt[vdtype]), c, t)
-            outs.append((ok, ov, c))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), (n, t, outs)
+    same_appends(kc, ki, n, kdtype, vdtype, (-10**6, 0, 10**6, 90))
 
 
 def test_guarded_loads_are_not_speculated():
