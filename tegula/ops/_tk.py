@@ -54,7 +54,10 @@ class Recycled:
     few MB comes from the system whenever glibc has trimmed its heap in between (as torch's own allocations between
     calls make it do), and every page of it faults on first touch: ~1 ms a call of get_fused_mapping at
     16384 x 8 (2.5 MB) with a few MB allocated between calls. One slot per thread (two threads never share a
-    block); without torch's storage use count (a private API) nothing is reused."""
+    block); without torch's storage use count (a private API) nothing is reused. Results over MAX_BYTES are not
+    held (the memory a slot keeps after its caller has let go stays bounded)."""
+
+    MAX_BYTES = 1 << 26
 
     def __init__(self):
         import threading
@@ -68,7 +71,11 @@ class Recycled:
         t = torch()
         b = getattr(self._local, "block", None)
         if b is None or b.shape != shape or b.dtype is not dtype or not _only_holder(t, b):
-            b = self._local.block = t.empty(shape, dtype=dtype)
+            b = t.empty(shape, dtype=dtype)
+            if b.numel() * b.element_size() > self.MAX_BYTES:
+                self._local.block = None
+                return b
+            self._local.block = b
         return b.detach()
 
 

@@ -283,6 +283,18 @@ def test_results_reuse_memory_only_once_let_go(target):
     assert (out4.data_ptr(), den4.data_ptr()) == addr and torch.equal(out4, w2 / den4.unsqueeze(1))
 
 
+def test_recycled_holds_no_large_result(monkeypatch):
+    from tegula.ops import _tk
+    r = _tk.Recycled()
+    monkeypatch.setattr(_tk.Recycled, "MAX_BYTES", 4096)
+    a = r.take((1024,), torch.int32)   # 4 KiB: held, and handed out again once let go
+    addr = a.data_ptr()
+    del a
+    assert r.take((1024,), torch.int32).data_ptr() == addr
+    big = r.take((1025,), torch.int32)   # over the bound: new memory, the slot emptied
+    assert big.shape == (1025,) and r._local.block is None
+
+
 @pytest.mark.parametrize("n", [0, 5])
 def test_get_fused_mapping_without_entries(target, n):
     """No token, or every entry -1: every position of a given size is padding (-1 in all three arrays)."""
