@@ -5,12 +5,14 @@ copy bandwidth.
 
 Every memory-bound row reads a working set of about --gib GiB (well beyond the last-level cache). tegula's rows call
 the ops' compiled kernels with outputs allocated once and reused; torch eager and compiled functions return fresh
-tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per second; "of copy BW" divides it by the
-plain OpenMP copy of the same working set ("copy GB/s"), sampled in turn with the row's contenders (the memory's speed
-on a shared host moves within a run), or for the latency rows by the copy measured at the start. "of run copy" divides
-it by the median of every copy sample of the run (all rows' samples together): on a host whose copy speed swings 2x
-within a row's few samples, a reference that does not move with them. The MoE routing rows
-are latency rows (a few MB), where ratios matter.
+tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per second. A memory-bound row samples a
+plain OpenMP copy of the same working set ("copy GB/s", the median of its samples) right after each of tegula's
+samples, so that both see the same moment of a shared host whose memory speed moves within seconds: "of copy BW" is
+the median over the rounds of tegula's bandwidth over the copy's in that round (a paired ratio), "paired range" its
+smallest and largest. The latency rows divide by the copy measured at the start. "of run copy" divides tegula's
+bandwidth by the median of every copy sample of the run (all rows' samples together): a reference that does not
+move with the moments a row happened to sample. The MoE routing rows are latency rows (a few MB), where ratios
+matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
 process CPU time a call takes, which that load disturbs far less than wall-clock time (GB/s are then per core).
 """
@@ -233,18 +235,16 @@ def main(argv=None):
     def bench(name, ours, eager, compiled, moved_bytes):
         if only and not any(name.startswith(o) for o in only):
             return
-        fns = {"ours": ours, "eager": eager}
+        memory_bound = moved_bytes >= nbytes // 4
+        # the copy sampled right after tegula's call in every round (a paired ratio: see the module docstring)
+        fns = {"ours": ours, "copy": copy_fn} if memory_bound else {"ours": ours}
+        fns["eager"] = eager
         if compiled is not None:
             try:
                 compiled()
                 fns["compiled"] = compiled
             except Exception as e:  # inductor failing here is a fact to report, not a crash
                 print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
-        # a memory-bound row samples the copy too: its "of copy BW" divides by the copy of the same rounds (the
-        # host's memory speed moves 30% and more within a run; one copy measured at the start let that drift in)
-        memory_bound = moved_bytes >= nbytes // 4
-        if memory_bound:
-            fns["copy"] = copy_fn
         # the contenders sampled in turn (each sample >= 1 ms of calls, process_time's coarser ticks: 20 ms), so a
         # drift of the host's speed reaches every side alike
         samples = interleaved(fns, args.reps, clock, 2e-2 if args.clock == "cpu" else 1e-3,
@@ -253,8 +253,14 @@ def main(argv=None):
         copy_samples.extend(samples.get("copy", ()))
         t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
-        copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9 if memory_bound else peak
-        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, gbs / copy_gbs, t_eager.median_ms,
+        if memory_bound:
+            copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9
+            paired = sorted(moved_bytes * tc / (copy_moved * to) for to, tc in zip(samples["ours"], samples["copy"]))
+            of_copy, prange = statistics.median(paired), f"{paired[0]:.2f}-{paired[-1]:.2f}"
+        else:
+            copy_gbs, prange = peak, "-"
+            of_copy = gbs / copy_gbs
+        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, of_copy, prange, t_eager.median_ms,
                      t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,
                      "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms, memory_bound])
         print(f"  {name}: {t_ours.median_ms:.1f} ms, {gbs:.2f} GB/s", flush=True)
@@ -373,10 +379,10 @@ def main(argv=None):
     if run_gbs is not None:
         print(f"run copy: the median of {len(copy_samples)} copy samples over the run, {run_gbs:.1f} GB/s (the "
               f"samples read {copy_moved / max(copy_samples) / 1e9:.1f}-{copy_moved / min(copy_samples) / 1e9:.1f})")
-    rows = [r[:6] + [r[3] / run_gbs if r[-1] and run_gbs else "-"] + r[6:-1] for r in rows]
+    rows = [r[:7] + [r[3] / run_gbs if r[-1] and run_gbs else "-"] + r[7:-1] for r in rows]
     print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
                 f"{torch.get_num_threads()} threads, clock {args.clock} (medians of >= {args.reps} runs)",
-                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "of run copy", "eager ms",
+                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "paired range", "of run copy", "eager ms",
                  "eager/tegula", "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
 
