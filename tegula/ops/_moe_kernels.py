@@ -166,9 +166,11 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
     Sigmoid and sqrt-softplus scoring prefetch the next block's rows while scoring this block's (the dead-copy
     idiom of T.Pipelined): blocks start on a new 4 KB page, where the hardware prefetcher starts cold. 16384 x
     256, 8 groups / 4 kept, top-8, 2 threads on an Intel Xeon (KVM), each call after torch eager's routing (which
-    evicts the logits): 4.03-4.20 -> 3.61-3.66 ms (two processes each); back to back, 2.95 either way. Measured
-    and not kept: two blocks ahead (3.68-3.70); a shorter select list (the K best lie at or above the smallest
-    of the kept groups' ceil(K / NTG)-th best keys; compressing stores) 3.01 vs 3.05 ms back to back; sigmoid's
+    evicts the logits): 4.03-4.20 -> 3.61-3.66 ms (two processes each); back to back, 2.95 either way. Where
+    2 NTG >= K the K passes run over a short candidate list (narrowed): back to back, three process pairs
+    alternated, 2.95-3.01 -> 2.81-2.85 ms (CAP 24: 2.81, the same). Measured and not kept: two blocks ahead
+    (3.68-3.70); the list's threshold from each kept group's ceil(K / NTG)-th best key (masked maxima of int64 keys a
+    group) 3.01 vs 3.05 ms: those reductions cost what the shorter select saved; sigmoid's
     division replaced by FMAs (a guess from the bits, three Newton steps and Markstein's correction: RN(1 / d) for
     every float32 d in [1, 2^116], checked in C) where every logit of the block is >= -80, 3.31-3.34 vs 2.97-2.99
     ms (alternated processes): the division is not what bounds the loop here."""
@@ -177,6 +179,43 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
     KP = K + n_shared
     grouped = NG != NTG
     EPG = E // NG if grouped else E
+    NK = NTG * EPG  # the kept groups' experts
+    CAP = max(32, -(-4 * K // 8) * 8)  # candidates a row the narrowed select takes (whole vectors of 8 keys)
+    NARROW = grouped and 2 * NTG >= K and CAP < NK
+
+    @T.macro
+    def narrowed(kf, sec, rank, sel, kth):
+        """select_keys over the kept groups' keys kf (BM, NK) through a shorter list: the keys at or above the
+        smallest second best of the kept groups (each group holds two values at or above its second best, so
+        usually 2 NTG >= K keys pass), appended row by row (compressing stores: order bits and index as two int32
+        lists). Where every row of the block has K to CAP of them, the K best of all are the K best of those,
+        which the K passes find among CAP keys instead of NK; else the block selects over all NK."""
+        secm = T.alloc_fragment((BM, NG), "float32")
+        thv = T.alloc_fragment((BM,), "float32")
+        for i, g in T.Parallel(BM, NG):
+            secm[i, g] = T.if_then_else(rank[i, g] < NTG, sec[i, g], T.infinity("float32"))
+        T.reduce_min(secm, thv, dim=1)
+        hi = T.alloc_fragment((NK,), "int32")
+        lo = T.alloc_fragment((NK,), "int32")
+        cand = T.alloc_fragment((BM, CAP), "int64")
+        fits = T.alloc_var("int32", 1)
+        for i in T.serial(BM):
+            thr = order_key(thv[i], E - 1, E)  # the smallest key of a value >= thv[i]
+            n = T.cast(0, "int32")
+            for j in T.serial(NK):
+                if kf[i, j] >= thr:
+                    hi[n] = T.cast(kf[i, j] >> 32, "int32")
+                    lo[n] = T.cast(kf[i, j] & 4294967295, "int32")
+                    n = n + 1
+            if n < K or n > CAP:
+                fits = 0
+            for c in T.Parallel(CAP):
+                cand[i, c] = T.if_then_else(c < n, T.cast(hi[T.min(c, NK - 1)], "int64") * 4294967296 +
+                                            T.cast(lo[T.min(c, NK - 1)], "int64"), KEY_MIN)
+        if fits != 0:
+            select_keys(cand, sel, kth, BM, CAP, E, K)
+        else:
+            select_keys(kf, sel, kth, BM, NK, E, K)
 
     @T.prim_func
     def top2_sum_gate(L: T.Tensor((NT, E), "float32"), B: T.Tensor((E,), "float32"), M: T.Tensor((NM,), "int8"),
@@ -224,8 +263,10 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                     rest[i, g, j] = T.if_then_else(bg[i, g, j] < t1[i, g], bg[i, g, j], NEG_INF)
                 T.reduce_sum(c1, tops, dim=2)
                 T.reduce_max(rest, t2, dim=2)
+                sec = T.alloc_fragment((BM, NG), "float32")  # each group's second best (never NaN)
                 for i, g in T.Parallel(BM, NG):
-                    t1[i, g] = t1[i, g] + T.if_then_else(tops[i, g] > 1, t1[i, g], t2[i, g])
+                    sec[i, g] = T.if_then_else(tops[i, g] > 1, t1[i, g], t2[i, g])
+                    t1[i, g] = t1[i, g] + sec[i, g]
                 above = T.alloc_fragment((BM, NG, NG), "int32")
                 rank = T.alloc_fragment((BM, NG), "int32")
                 for i, g, h in T.Parallel(BM, NG, NG):
@@ -246,7 +287,10 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 for i, g, j in T.Parallel(BM, NTG, EPG):
                     e = T.clamp(slot[i, g], 0, NG - 1) * EPG + j  # (a known range: gcc then reads it as contiguous)
                     keyc[i, g, j] = order_key(b[i, e], e, E)
-                select_keys(T.reshape(keyc, (BM, NTG * EPG)), sel, kth, BM, NTG * EPG, E, K)
+                if NARROW:
+                    narrowed(T.reshape(keyc, (BM, NK)), sec, rank, sel, kth)
+                else:
+                    select_keys(T.reshape(keyc, (BM, NK)), sel, kth, BM, NK, E, K)
                 full = 0
                 for i in T.serial(BM):
                     if kth[i] < (ORDER_NEG_INF + 1) * 4294967296:
