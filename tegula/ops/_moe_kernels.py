@@ -19,7 +19,8 @@ def order_key(x, j, E):
     so keys order as the values do, ties to the lower index."""
     bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
     order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return T.cast(order, "int64") * 4294967296 + (E - 1 - j)
+    # (order << 32 through uint64: gcc vectorised the product by 2^32 as a 64-bit multiply, vpmullq, 3 uops)
+    return T.reinterpret(T.cast(T.cast(order, "uint32"), "uint64") << 32, "int64") + (E - 1 - j)
 
 
 @T.macro
