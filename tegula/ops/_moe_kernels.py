@@ -268,11 +268,12 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                 for i, g in T.Parallel(BM, NG):
                     sec[i, g] = T.if_then_else(tops[i, g] > 1, t1[i, g], t2[i, g])
                     t1[i, g] = t1[i, g] + sec[i, g]
-                above = T.alloc_fragment((BM, NG, NG), "int32")
                 rank = T.alloc_fragment((BM, NG), "int32")
-                for i, g, h in T.Parallel(BM, NG, NG):
-                    above[i, g, h] = T.cast(t1[i, h] > t1[i, g] or (t1[i, h] == t1[i, g] and h < g), "int32")
-                T.reduce_sum(above, rank, dim=2)
+                T.fill(rank, 0)
+                for h in T.serial(NG):  # (groups as lanes: no reduction across lanes)
+                    for i, g in T.Parallel(BM, NG):
+                        rank[i, g] = rank[i, g] + T.cast(t1[i, h] > t1[i, g] or (t1[i, h] == t1[i, g] and h < g),
+                                                         "int32")
             sel = T.alloc_fragment((BM, K), "int32")
             full = T.alloc_var("int32", 1)
             if grouped and NTG * EPG >= K:
