@@ -382,8 +382,8 @@ def main(argv=None):
     rows = [r[:7] + [r[3] / run_gbs if r[-1] and run_gbs else "-"] + r[7:-1] for r in rows]
     print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
                 f"{torch.get_num_threads()} threads, clock {args.clock} (medians of >= {args.reps} runs)",
-                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "paired range", "of run copy", "eager ms",
-                 "eager/tegula", "compile ms", "compile/tegula"], rows)
+                ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "paired range", "of run copy",
+                 "eager ms", "eager/tegula", "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
 
 

@@ -19,8 +19,14 @@ def order_key(x, j, E):
     so keys order as the values do, ties to the lower index."""
     bits = T.reinterpret(T.if_then_else(x == 0.0, 0.0, x), "int32")
     order = T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    # (order << 32 through uint64: gcc vectorised the product by 2^32 as a 64-bit multiply, vpmullq, 3 uops)
-    return T.reinterpret(T.cast(T.cast(order, "uint32"), "uint64") << 32, "int64") + (E - 1 - j)
+    return _join_key(order, E - 1 - j)
+
+
+@T.macro
+def _join_key(hi, lo):
+    """The int64 hi * 2^32 + lo of int32 hi and lo >= 0, by a shift through uint64 (gcc vectorised the product by
+    2^32 as a 64-bit multiply, vpmullq: 3 uops)."""
+    return T.reinterpret(T.cast(T.cast(hi, "uint32"), "uint64") << 32, "int64") + T.cast(lo, "int64")
 
 
 @T.macro
@@ -164,17 +170,19 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
     """DeepSeek's group-limited routing (TileKernels' top2_sum_gate); see tegula.ops.moe.top2_sum_gate. RL maps
     each global (physical) expert to its number on this rank, or -1 (tegula.ops.moe._rank_local). BM = 4 rows a
     block: the k masked maxima of a row are a chain each pass waits on, and a few rows side by side overlap them.
-    Sigmoid and sqrt-softplus scoring prefetch the next block's rows while scoring this block's (the dead-copy
-    idiom of T.Pipelined): blocks start on a new 4 KB page, where the hardware prefetcher starts cold. 16384 x
-    256, 8 groups / 4 kept, top-8, 2 threads on an Intel Xeon (KVM), each call after torch eager's routing (which
-    evicts the logits): 4.03-4.20 -> 3.61-3.66 ms (two processes each); back to back, 2.95 either way. Where
-    2 NTG >= K the K passes run over a short candidate list (narrowed): back to back, three process pairs
-    alternated, 2.95-3.01 -> 2.81-2.85 ms (CAP 24: 2.81, the same). Measured and not kept: two blocks ahead
-    (3.68-3.70); the list's threshold from each kept group's ceil(K / NTG)-th best key (masked maxima of int64 keys a
-    group) 3.01 vs 3.05 ms: those reductions cost what the shorter select saved; sigmoid's
-    division replaced by FMAs (a guess from the bits, three Newton steps and Markstein's correction: RN(1 / d) for
-    every float32 d in [1, 2^116], checked in C) where every logit of the block is >= -80, 3.31-3.34 vs 2.97-2.99
-    ms (alternated processes): the division is not what bounds the loop here."""
+    Measured on an Intel Xeon (2 vCPUs, KVM), 16384 x 256, 8 groups / 4 kept, top-8, 2 threads, alternated processes:
+    - sigmoid and sqrt-softplus scoring prefetch the next block's rows while scoring this block's (the dead-copy
+      idiom of T.Pipelined; a block starts on a new 4 KB page, where the hardware prefetcher starts cold): called
+      after torch eager's routing (which evicts the logits) 4.03-4.20 -> 3.61-3.66 ms; back to back 2.95 either way.
+    - where 2 NTG >= K the K passes run over a short candidate list (narrowed): 2.95-3.01 -> 2.81-2.85 ms back to
+      back (CAP 24 instead of 32: the same).
+    - the groups' ranks counted with the groups as lanes (was: a (BM, NG, NG) tile summed across lanes, 32
+      horizontal reductions a block): 2.80-2.89 -> 2.68-2.70 ms.
+    Measured and not kept: prefetching two blocks ahead (3.68-3.70 after eager); the list's threshold from each kept
+    group's ceil(K / NTG)-th best key (masked maxima of its int64 keys) 3.01 vs 3.05 ms, its reductions costing what
+    the shorter select saved; sigmoid's division by FMAs (a guess from the bits, three Newton steps and Markstein's
+    correction, RN(1 / d) for every float32 d in [1, 2^116], checked in C) where the block's logits are >= -80:
+    3.31-3.34 vs 2.97-2.99 ms, the division is not what bounds that loop."""
     NT, NL, ND, UST = T.dynamic("num_tokens"), T.dynamic("num_logical"), T.dynamic("num_dup"), T.dynamic("u_stride")
     NM, NF, NR = T.dynamic("mask_len"), T.dynamic("fix_len"), T.dynamic("num_global_experts")
     KP = K + n_shared
@@ -211,8 +219,7 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
             if n < K or n > CAP:
                 fits = 0
             for c in T.Parallel(CAP):
-                cand[i, c] = T.if_then_else(c < n, T.cast(hi[T.min(c, NK - 1)], "int64") * 4294967296 +
-                                            T.cast(lo[T.min(c, NK - 1)], "int64"), KEY_MIN)
+                cand[i, c] = T.if_then_else(c < n, _join_key(hi[T.min(c, NK - 1)], lo[T.min(c, NK - 1)]), KEY_MIN)
         if fits != 0:
             select_keys(cand, sel, kth, BM, CAP, E, K)
         else:
