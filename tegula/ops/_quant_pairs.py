@@ -30,7 +30,7 @@ def staged_groups(G, W):
 
 
 AHEAD = 2048  # words: how far ahead of its cast a whole tile's loop prefetches X (the next tile's amax reads them);
-# on an Intel Xeon with a 480 MB L3 (2 vCPUs, KVM), 18688 x 7168, 2 threads, alternated processes, each paired with
+# on an Intel Xeon with a 480 MB L3 (2 vCPUs, KVM), 74880 x 7168, 2 threads, alternated processes, each paired with
 # a copy of the same 1 GiB: per_token e4m3 0.782-0.802 of the copy at 1024 words, 0.809-0.830 at 2048 (4096:
 # 0.819-0.841), e2m1 0.656-0.666 -> 0.674-0.688, per_block within noise (0.69-0.72 at each)
 
@@ -310,11 +310,11 @@ def per_channel_pairs(HP, bt=128):
     row a pass 1.04-1.055, 2 / 4 rows 1.04 / 1.03, one row a pass over 128-column groups 0.973. On the Intel Xeon,
     37376 x 7168, alternated: both passes in 64-word steps prefetching X AHEAD words on (as per_block_pairs) 0.95-
     1.05 (1 thread CPU), 0.97-0.98 (2 threads), the column-max pass alone 1.00: within the noise, not kept. On an
-    Intel Xeon with 2 MB L2 and a 480 MB L3, 37376 x 7168, 2 threads, alternated in one process (not kept): the cast
+    Intel Xeon with 2 MB L2 and a 480 MB L3, 74880 x 7168, 2 threads, alternated in one process (not kept): the cast
     pass walking the band's rows backwards (those the column max read last first) 1.04x the time (per_block: 1.14x);
     each row's codes staged and streamed out 0.99x; the cast pass prefetching the next row 0.976x; column slabs of
     512 / 896 / 1792 words, each slab's column max interleaved row by row with the previous slab's cast, 0.93-1.09x
-    (1 thread). perf: 64% of the samples in the cast pass, 26% on its loads of X (the band read again)."""
+    (37376 x 7168, 1 thread). perf: 64% of the samples in the cast pass, 26% on its loads of X (the band read again)."""
     NT, SR = T.dynamic("num_tokens"), T.dynamic("sf_rows")
     HW = HP // 2
 
