@@ -80,6 +80,43 @@ def copy_kernels(nbytes: int = 1 << 30, threads: int | None = None) -> dict:
     return out
 
 
+LLC_DEFAULT = 32 << 20  # what last_level_cache() answers where the system does not say
+
+
+def last_level_cache() -> int:
+    """The size in bytes of this machine's largest CPU cache, as Linux reports it (sysconf, then sysfs; under a
+    hypervisor, what the virtual CPU declares), or LLC_DEFAULT where neither says. Benchmarks of memory-bound work
+    size their working sets from it: some machines here have an L3 of hundreds of MB."""
+    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            v = os.sysconf(name)
+        except (ValueError, OSError, AttributeError):
+            continue
+        if v and v > 0:
+            return int(v)
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        entries = []
+    for e in entries:
+        try:
+            with open(os.path.join(base, e, "size")) as f:
+                best = max(best, cache_size_bytes(f.read()))
+        except OSError:
+            continue
+    return best or LLC_DEFAULT
+
+
+def cache_size_bytes(text: str) -> int:
+    """Bytes of a sysfs cache size ("491520K", "32M", "1024"); 0 where the text is not one."""
+    text = text.strip()
+    unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if unit > 1 else text
+    return int(digits) * unit if digits.isdigit() else 0
+
+
 def measure_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, bench=None) -> dict:
     """GB/s (read + write bytes / time) of a plain OpenMP copy and of a non-temporal-store copy over ``nbytes``
     of source, measured now, in this process (copy_kernels). ``bench``: the timing function (do_bench's

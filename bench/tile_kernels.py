@@ -37,6 +37,7 @@ from bench.common import (  # noqa: E402
     copy_kernels,
     do_bench,
     interleaved,
+    last_level_cache,
     print_table,
     timing_ms,
     try_compile,
@@ -220,13 +221,17 @@ def main(argv=None):
     timer = cpu_bench if args.clock == "cpu" else do_bench
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
+    llc = last_level_cache()
     copies = copy_kernels(nbytes, threads=1 if args.clock == "cpu" else None)
     bw = {k: moved / (timer(fn, warmup=2, rep=5).median_ms * 1e-3) / 1e9 for k, (fn, moved) in copies.items()}
     peak = bw["stream_copy"]
     copy_fn, copy_moved = copies["stream_copy"]
     print(f"measured: plain copy {peak:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
           f"({args.gib} GiB source); torch threads {torch.get_num_threads()}, tegula threads "
-          f"{os.environ.get('TEGULA_NUM_THREADS') or 'all'}; clock {args.clock}")
+          f"{os.environ.get('TEGULA_NUM_THREADS') or 'all'}; clock {args.clock}; last-level cache {llc >> 20} MiB")
+    if nbytes < 2 * llc:
+        print(f"warning: --gib {args.gib} is under twice the last-level cache ({llc >> 20} MiB): the memory-bound "
+              f"rows may read partly from the cache (use --gib {-(-2 * llc // (1 << 30))} or more)")
     comp = (lambda f: None) if args.no_compile else try_compile
     only = [s for s in args.only.split(",") if s]
     rows = []
