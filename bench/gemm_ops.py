@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     add_clock_option,
     copy_kernels,
     interleaved,
+    last_level_cache,
     measure_bandwidth,
     print_table,
     use_clock,
@@ -288,12 +289,18 @@ def indexer_rows(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=7, help="interleaved repeats per row (default 7)")
-    p.add_argument("--ws", type=int, default=256, help="MiB of weights each decode contender cycles through")
+    p.add_argument("--ws", type=int, default=None,
+                   help="MiB of weights each decode contender cycles through (default: twice the last-level cache, "
+                        "at least 256)")
     p.add_argument("--quick", action="store_true", help="fewer and smaller shapes")
     p.add_argument("--only", default="decode,compute,grouped,indexer", help="comma-separated sections")
     add_clock_option(p, help="wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per "
                              "call, which other load on the machine disturbs far less (GB/s are then per core)")
     args = p.parse_args(argv)
+    if args.ws is None:
+        args.ws = max(256, 2 * (last_level_cache() >> 20))
+    elif args.ws < 1:
+        p.error(f"--ws must be a positive number of MiB, got {args.ws}")
     global clock
     clock = use_clock(args.clock)
     torch.manual_seed(0)
