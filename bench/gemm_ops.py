@@ -126,8 +126,8 @@ def decode_rows(args):
             gbs = moved / med(t["fp8"]) / 1e9
             copy_gbs = copy_moved / med(t["copy"]) / 1e9
             read_gbs = n * k / med(t["read"]) / 1e9
-            rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, copy_gbs, gbs / copy_gbs,
-                         read_gbs, gbs / read_gbs,
+            rows.append([f"{m}x{n}x{k}", med(t["fp8"]) * 1e3, f"{spread(t['fp8']):.0%}", gbs, copy_gbs,
+                         gbs / copy_gbs, read_gbs, gbs / read_gbs,
                          med(t["torch"]) * 1e3, f"{spread(t['torch']):.0%}", ratio(t["torch"], t["fp8"]),
                          med(t["bf16"]) * 1e3, ratio(t["torch"], t["bf16"])])
             print(f"  decode {m}x{n}x{k} done", flush=True)
