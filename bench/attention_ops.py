@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import add_clock_option, do_bench, measure_bandwidth, print_table, use_clock
+from bench.common import add_clock_option, do_bench, last_level_cache, measure_bandwidth, print_table, use_clock
 from bench.common import side_by_side as common_side_by_side
 from tegula.ops import attention as A
 
@@ -202,6 +202,11 @@ def main(argv=None):
                 "peer: gather + attend, or SDPA for varlen)",
                 ["op", "shape", "MiB read", "tegula ms", "spread", "GB/s", "of bw", "GFLOP/s", "peer ms",
                  "peer/tegula"], rows)
+    llc = last_level_cache() >> 20
+    small = [f"{r[0]} {r[1]}" for r in rows if isinstance(r[2], (int, float)) and r[2] < 2 * llc]
+    if small:
+        print(f"note: the last-level cache holds {llc} MiB; rows reading less than twice that may read partly from "
+              f"it, and their 'of bw' is then above what memory gives: {', '.join(small)}")
 
 
 if __name__ == "__main__":
