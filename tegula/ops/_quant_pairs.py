@@ -312,9 +312,11 @@ def per_channel_pairs(HP, bt=128):
     1.05 (1 thread CPU), 0.97-0.98 (2 threads), the column-max pass alone 1.00: within the noise, not kept. On an
     Intel Xeon with 2 MB L2 and a 480 MB L3, 74880 x 7168, 2 threads, alternated in one process (not kept): the cast
     pass walking the band's rows backwards (those the column max read last first) 1.04x the time (per_block: 1.14x);
-    each row's codes staged and streamed out 0.99x; the cast pass prefetching the next row 0.976x; column slabs of
+    each row's codes staged and streamed out 0.99x; the cast pass prefetching the next row 0.976x, or the next
+    band's same row in 64-word steps (so that the next column max reads from cache) 1.07x (1.13x, 1 thread); slabs of
     512 / 896 / 1792 words, each slab's column max interleaved row by row with the previous slab's cast, 0.93-1.09x
-    (37376 x 7168, 1 thread). perf: 64% of the samples in the cast pass, 26% on its loads of X (the band read again)."""
+    (37376 x 7168, 1 thread); the band as 2 / 4 / 7 column slabs, blocks of their own (each cast reading its slab
+    from L2), 1.02 / 0.97 / 0.96x. perf: 64% of the samples in the cast pass, 26% on its loads of X."""
     NT, SR = T.dynamic("num_tokens"), T.dynamic("sf_rows")
     HW = HP // 2
 
