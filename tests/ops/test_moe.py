@@ -197,13 +197,14 @@ def test_top2_sum_gate_candidate_list(target):
     """top-8 of 4 kept groups of 32 (2 x 4 >= 8): a block selects among the keys at or above the smallest second
     best of its kept groups where every row has 8 to 32 of them, else among all 128. Rows here: random (about 10
     pass), 33 or 64 tied at the top (a list too long: the block falls back), all tied, and just 32 tied."""
-    n, e = (12 if target == "interp" else 64), 256
+    n, e = (24 if target == "interp" else 64), 256
     logits, bias = torch.randn(n, e), torch.randn(e) * 0.1
     bias[:] = 0.0
     logits[1, :64] = 4.0              # groups 0 and 1 entirely tied: 64 candidates
     logits[2, 32:65] = 4.0            # 33 tied across groups 1 and 2
-    logits[6, 100:132] = 4.0          # exactly 32 tied (groups 3 and 4)
     logits[9] = 1.0                   # everything tied
+    for g in (0, 2, 5, 7):            # 8 tied in each of 4 groups: exactly 32 candidates, in a block of its own
+        logits[20, g * 32:g * 32 + 8] = 4.0
     args = (logits, bias, 8, 4, 8, False, 0, 2.5, 0, 1, 0, 1, "sigmoid")
     idx, w = moe.top2_sum_gate(*args)
     ridx, rw = top2_sum_gate_ref(*args)
