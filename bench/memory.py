@@ -24,16 +24,8 @@ import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import (
-    add_clock_option,
-    copy_kernels,
-    interleaved,
-    last_level_cache,
-    print_table,
-    timing_ms,
-    try_compile,
-    use_clock,
-)
+from bench.common import add_clock_option, copy_kernels, interleaved, last_level_cache, print_table
+from bench.common import timing_ms, try_compile, use_clock
 
 FP8_MAX = 448.0
 
