@@ -109,6 +109,15 @@ def last_level_cache() -> int:
     return best or LLC_DEFAULT
 
 
+def check_gib(gib: float, what: str) -> None:
+    """Print a warning when a --gib working set of ``gib`` GiB is under twice the last-level cache (``what``: the
+    rows or kernels that read it)."""
+    llc = last_level_cache()
+    if gib * (1 << 30) < 2 * llc:
+        print(f"warning: --gib {gib} is under twice the last-level cache ({llc >> 20} MiB): the {what} may read "
+              f"partly from the cache (use --gib {-(-2 * llc // (1 << 30))} or more)")
+
+
 def cache_size_bytes(text: str) -> int:
     """Bytes of a sysfs cache size ("491520K", "32M", "1024"); 0 where the text is not one."""
     text = text.strip()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import tegula
 import tegula.language as T
-from bench.common import add_clock_option, copy_kernels, interleaved, last_level_cache, print_table
+from bench.common import add_clock_option, check_gib, copy_kernels, interleaved, print_table
 from bench.common import timing_ms, try_compile, use_clock
 
 FP8_MAX = 448.0
@@ -159,10 +159,7 @@ def main(argv=None):
     nthreads = 1 if args.clock == "cpu" else torch.get_num_threads()
     torch.manual_seed(0)
     nbytes = int(args.gib * (1 << 30))
-    llc = last_level_cache()
-    if nbytes < 2 * llc:
-        print(f"warning: --gib {args.gib} is under twice the last-level cache ({llc >> 20} MiB): the kernels may "
-              f"read partly from the cache (use --gib {-(-2 * llc // (1 << 30))} or more)")
+    check_gib(args.gib, "kernels")
     copies = copy_kernels(nbytes, threads=1 if args.clock == "cpu" else None)
     copy_fn, copy_moved = copies["stream_copy"]
     # the reference copies on the bench's threads, timed by the same clock

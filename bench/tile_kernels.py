@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench.common import (  # noqa: E402
     Timing,
     add_clock_option,
+    check_gib,
     copy_kernels,
     do_bench,
     interleaved,
@@ -229,9 +230,7 @@ def main(argv=None):
     print(f"measured: plain copy {peak:.1f} GB/s, non-temporal copy {bw['stream_copy_nt']:.1f} GB/s "
           f"({args.gib} GiB source); torch threads {torch.get_num_threads()}, tegula threads "
           f"{os.environ.get('TEGULA_NUM_THREADS') or 'all'}; clock {args.clock}; last-level cache {llc >> 20} MiB")
-    if nbytes < 2 * llc:
-        print(f"warning: --gib {args.gib} is under twice the last-level cache ({llc >> 20} MiB): the memory-bound "
-              f"rows may read partly from the cache (use --gib {-(-2 * llc // (1 << 30))} or more)")
+    check_gib(args.gib, "memory-bound rows")
     comp = (lambda f: None) if args.no_compile else try_compile
     only = [s for s in args.only.split(",") if s]
     rows = []

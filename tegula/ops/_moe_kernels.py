@@ -2,6 +2,8 @@
 normalisation, and the token <-> per-expert contiguous layout (mapping, expand, reduce)."""
 from __future__ import annotations
 
+import struct
+
 import tegula.language as T
 from tegula.ops._tk_math import exp_f32, fma_f32
 
@@ -87,7 +89,7 @@ def _ordered_sum(W, r, K):
 
 
 _SAFE_LO, _SAFE_HI = 2.0 ** -40, 2.0 ** 40   # normalize_weight's range for a division by its reciprocal
-_SAFE_LO_BITS, _SAFE_HI_BITS = 0x2B800000, 0x53800000   # their float32 bits
+_SAFE_LO_BITS, _SAFE_HI_BITS = (struct.unpack("<I", struct.pack("<f", v))[0] for v in (_SAFE_LO, _SAFE_HI))
 
 
 def _weights_in_range(W, r, K):
@@ -221,7 +223,7 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
             if n < K or n > CAP:
                 fits = 0
             for c in T.Parallel(CAP):
-                cand[i, c] = T.if_then_else(c < n, _join_key(hi[T.min(c, NK - 1)], lo[T.min(c, NK - 1)]), KEY_MIN)
+                cand[i, c] = T.if_then_else(c < n, _join_key(hi[c], lo[c]), KEY_MIN)  # (c < CAP < NK)
         if fits != 0:
             select_keys(cand, sel, kth, BM, CAP, E, K)
         else:
