@@ -9,10 +9,14 @@ tensors (as TileKernels' API does). Bandwidth = bytes read + bytes written per s
 plain OpenMP copy of the same working set ("copy GB/s", the median of its samples) right after each of tegula's
 samples, so that both see the same moment of a shared host whose memory speed moves within seconds: "of copy BW" is
 the median over the rounds of tegula's bandwidth over the copy's in that round (a paired ratio), "paired range" its
-smallest and largest. The latency rows divide by the copy measured at the start. "of run copy" divides tegula's
-bandwidth by the median of every copy sample of the run (all rows' samples together): a reference that does not
-move with the moments a row happened to sample. The MoE routing rows are latency rows (a few MB), where ratios
-matter.
+smallest and largest. "cache GB/s" is tegula's kernel on the first rows of the same tensors, a slice that sits in
+the last-level cache (cache_rows: at most 1024 rows of 7168, ~15 MB read, and at most a quarter of the cache), timed
+warm after the row's rounds: about what the kernel's arithmetic allows with DRAM out of the way; "cache/copy" is
+that over the row's copy, roughly the ceiling "of copy BW" could reach were every DRAM access overlapped with work
+(a low bound where a kernel streams its output past the cache: rmsnorm, e5m6 and rope write to memory from the slice
+too). The latency rows divide by the copy measured at the start. "of run copy" divides tegula's bandwidth by the
+median of every copy sample of the run (all rows' samples together): a reference that does not move with the moments
+a row happened to sample. The MoE routing rows are latency rows (a few MB), where ratios matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
 process CPU time a call takes, which that load disturbs far less than wall-clock time (GB/s are then per core).
 """
@@ -179,6 +183,12 @@ def reduce_ref(xe, w, ttp):
 
 # the table ---------------------------------------------------------------------------------------------------------
 
+def cache_rows(llc: int, row_bytes: int = 7168 * 3) -> int:
+    """Rows of the cache columns' slice: a multiple of 128 (per_block's and per_channel's bands), at most 1024 and
+    at most a quarter of the last-level cache ``llc`` (bytes) read and written, at least 128."""
+    return max(128, min(1024, llc // 4 // row_bytes // 128 * 128))
+
+
 class lazy:
     """``_tk.kernel(*spec)``, built on its first call: the rows --only leaves out build nothing (and a kernel file
     being edited elsewhere does not stop the others)."""
@@ -236,7 +246,8 @@ def main(argv=None):
     rows = []
     copy_samples = []   # seconds per copy call, every memory-bound row's samples: the run's reference
 
-    def bench(name, ours, eager, compiled, moved_bytes):
+    def bench(name, ours, eager, compiled, moved_bytes, cached=None):
+        """``cached``: (tegula's call on the first R rows, the bytes it moves), for the cache columns."""
         if only and not any(name.startswith(o) for o in only):
             return
         memory_bound = moved_bytes >= nbytes // 4
@@ -257,15 +268,20 @@ def main(argv=None):
         copy_samples.extend(samples.get("copy", ()))
         t_ours, t_eager, t_comp = t["ours"], t["eager"], t.get("compiled")
         gbs = moved_bytes / (t_ours.median_ms * 1e-3) / 1e9
+        cache_gbs = cache_of = "-"
         if memory_bound:
             copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9
             paired = sorted(moved_bytes * tc / (copy_moved * to) for to, tc in zip(samples["ours"], samples["copy"]))
             of_copy, prange = statistics.median(paired), f"{paired[0]:.2f}-{paired[-1]:.2f}"
+            if cached is not None:
+                cache_gbs = cached[1] / (timer(cached[0], warmup=3, rep=max(args.reps, 10)).median_ms * 1e-3) / 1e9
+                cache_of = cache_gbs / copy_gbs
         else:
             copy_gbs, prange = peak, "-"
             of_copy = gbs / copy_gbs
-        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, of_copy, prange, t_eager.median_ms,
-                     t_eager.median_ms / t_ours.median_ms, "-" if t_comp is None else t_comp.median_ms,
+        rows.append([name, t_ours.median_ms, f"{t_ours.spread:.0%}", gbs, copy_gbs, of_copy, prange, cache_gbs,
+                     cache_of, t_eager.median_ms, t_eager.median_ms / t_ours.median_ms,
+                     "-" if t_comp is None else t_comp.median_ms,
                      "-" if t_comp is None else t_comp.median_ms / t_ours.median_ms, memory_bound])
         print(f"  {name}: {t_ours.median_ms:.1f} ms, {gbs:.2f} GB/s", flush=True)
 
@@ -282,50 +298,62 @@ def main(argv=None):
     # quant._pairs_shape)
     xw, q16 = x.view(torch.uint32), q8.view(torch.uint16)
     k = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
+    R = min(cache_rows(llc), T_)
     bench("per_token_cast bf16->e4m3 /128", lambda: k(xw, q16, sf.view(torch.int32), H, 0),
-          lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4)
+          lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4,
+          (lambda: k(xw[:R], q16[:R], sf[:R].view(torch.int32), H, 0), R * H * 3 + R * (H // 128) * 4))
     sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
     kp = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, True, True))
+    sfp_r, sfk_r = _tk.alloc_sf(R, H // 128, True, True)
     bench("per_token_cast ue8m0 packed", lambda: kp(xw, q16, sfk, H, 3),
-          lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4)
+          lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4,
+          (lambda: kp(xw[:R], q16[:R], sfk_r, H, 3), R * H * 3 + sfp_r.numel() * 4))
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
     k4 = lazy(QP.per_token_pairs, "e2m1", 32, *quant._pairs_shape(H, "e2m1", 32, False, False))
     bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
-          lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4)
+          lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4,
+          (lambda: k4(xw[:R], q4[:R], sf32[:R].view(torch.int32), H, 0), R * H * 2.5 + R * (H // 32) * 4))
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
     kb = lazy(QP.per_block_pairs, 128, 128, H)
     bench("per_block_cast 128x128", lambda: kb(xw, q16, sfb.view(torch.int32), H, 0),
-          lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3)
+          lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3,
+          (lambda: kb(xw[:R], q16[:R], sfb[:R // 128].view(torch.int32), H, 0), R * H * 3))
     kc = lazy(QP.per_channel_pairs, H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
     bench("per_channel_cast 128x1", lambda: kc(xw, q16, sfc.view(torch.int32), 0),
-          lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3)
+          lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3,
+          (lambda: kc(xw[:R], q16[:R], sfc[:R // 128].view(torch.int32), 0), R * H * 3))
     e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
     sf1 = torch.empty(T_, 1, dtype=torch.float32)
     ke = lazy(EK.per_row_cast_e5m6, "bfloat16", *EK.widths(H))
     xw = x.view(torch.uint32)
     bench("per_token_cast_to_e5m6", lambda: ke(x, xw, e5, sf1.view(torch.int32), H, 0),
-          lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5)
+          lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5,
+          (lambda: ke(x[:R], xw[:R], e5[:R], sf1[:R].view(torch.int32), H, 0), R * H * 3.5))
     qq, ss = per_token_cast_ref(x)
     y = torch.empty(T_, H, dtype=torch.bfloat16)
     kbk = lazy(QK.cast_back, "e4m3", "bfloat16", 1, 128, False, 512)
     bench("cast_back e4m3->bf16 /128", lambda: kbk(qq, ss.view(torch.int32), y, H),
-          lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss), T_ * H * 3)
+          lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss), T_ * H * 3,
+          (lambda: kbk(qq[:R], ss[:R].view(torch.int32), y[:R], H), R * H * 3))
     qq = q4 = e5 = None  # free them (the closures above have run)
 
     w = torch.randn(H).bfloat16()
     krn = lazy(norm.rmsnorm_kernel, "bfloat16", "bfloat16")
     bench("rmsnorm bf16", lambda: krn(x, w, y, 1e-6), lambda: rmsnorm_ref(x, w), wrap(rmsnorm_ref, x, w),
-          T_ * H * 4)
+          T_ * H * 4, (lambda: krn(x[:R], w, y[:R], 1e-6), R * H * 4))
     krc = lazy(norm.rmsnorm_cast_pairs_kernel, 128)  # what the op runs on bf16 x and weight (rows as uint32 words)
     bench("rmsnorm+per_token_cast", lambda: krc(x.view(torch.uint32), w.view(torch.uint32),
                                                 q8.view(torch.uint16), sf.view(torch.int32), 1e-6, 0),
-          lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w), T_ * H * 3 + sf.numel() * 4)
+          lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w), T_ * H * 3 + sf.numel() * 4,
+          (lambda: krc(x[:R].view(torch.uint32), w.view(torch.uint32), q8[:R].view(torch.uint16),
+                       sf[:R].view(torch.int32), 1e-6, 0), R * H * 3 + R * (H // 128) * 4))
     y = None
 
     xs = x.view(T_ * H // 4096, 4096)  # SwiGLU over hidden 2048: x (tokens, 4096)
     n2 = xs.shape[0]
+    R2 = min(n2, R * H // 4096)  # the cache columns' rows: the bytes of R rows of x
     qs = torch.empty(n2, 2048, dtype=torch.float8_e4m3fn)
     sfs = torch.empty(n2, 16, dtype=torch.float32)
     i32, f32 = torch.zeros(1, dtype=torch.int32), torch.zeros(1)
@@ -333,7 +361,9 @@ def main(argv=None):
     tb = _swiglu._silu_table()
     bench("swiglu+per_token_cast", lambda: ksw(xs.view(torch.uint32), qs.view(torch.uint16), sfs.view(torch.int32),
                                                 i32, f32, i32, tb, 0.0, 1e-4, 0),
-          lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4)
+          lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4,
+          (lambda: ksw(xs[:R2].view(torch.uint32), qs[:R2].view(torch.uint16), sfs[:R2].view(torch.int32), i32, f32,
+                       i32, tb, 0.0, 1e-4, 0), R2 * (4096 * 2 + 2048 + 16 * 4)))
     qs = None
 
     heads, d = 16, 128  # q (tokens, 16, 128) bf16, NeoX over the first 64 dims
@@ -343,8 +373,10 @@ def main(argv=None):
     pos = torch.randint(0, 8192, (nq,))
     kr = lazy(rope_kernel, "bfloat16", "float32", d, 64, False, False, True, streams_in_place())  # as the op
     pos32 = pos.int()
+    nqr = min(nq, R * H // (heads * d))
     bench("rope neox in place", lambda: kr(q, pos32, cs, nq, 0), lambda: rope_ref(q, cs, pos),
-          wrap(rope_ref, q, cs, pos), nq * heads * 64 * 2 * 2)
+          wrap(rope_ref, q, cs, pos), nq * heads * 64 * 2 * 2,
+          (lambda: kr(q[:nqr], pos32[:nqr], cs, nqr, 0), nqr * heads * 64 * 2 * 2))
     x = q8 = sf = None
 
     # MoE routing: latency rows (inputs of a few MB)
@@ -387,7 +419,7 @@ def main(argv=None):
     print_table(f"tegula.ops (TileKernels' ops) vs torch, ~{args.gib} GiB working sets, "
                 f"{torch.get_num_threads()} threads, clock {args.clock} (medians of >= {args.reps} runs)",
                 ["op", "tegula ms", "spread", "GB/s", "copy GB/s", "of copy BW", "paired range", "of run copy",
-                 "eager ms", "eager/tegula", "compile ms", "compile/tegula"], rows)
+                 "cache GB/s", "cache/copy", "eager ms", "eager/tegula", "compile ms", "compile/tegula"], rows)
     print("ratios > 1: tegula is faster. tegula writes into preallocated outputs; torch allocates its results.")
 
 

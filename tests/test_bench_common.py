@@ -15,3 +15,17 @@ def test_last_level_cache_is_a_size():
     llc = last_level_cache()
     assert isinstance(llc, int) and llc > 0
     assert llc == LLC_DEFAULT or llc >= 1 << 16  # a real answer is at least an L2's size
+
+
+def test_tile_kernels_cache_rows():
+    """The cache columns' slice of bench.tile_kernels: whole 128-row bands, at most 1024 rows, and at most a quarter
+    of the last-level cache (read and written); 128 rows where the cache is smaller than that."""
+    from bench.tile_kernels import cache_rows
+
+    row = 7168 * 3
+    assert cache_rows(480 << 20) == 1024
+    assert cache_rows(32 << 20) == 384 and 384 * row <= (32 << 20) // 4
+    assert cache_rows(1 << 20) == 128
+    for llc in (8 << 20, 45 << 20, 96 << 20, 260 << 20):
+        r = cache_rows(llc)
+        assert r % 128 == 0 and 128 <= r <= 1024 and (r == 128 or r * row <= llc // 4)
