@@ -11,10 +11,10 @@ samples, so that both see the same moment of a shared host whose memory speed mo
 the median over the rounds of tegula's bandwidth over the copy's in that round (a paired ratio), "paired range" its
 smallest and largest. "cache GB/s" is tegula's kernel on the first rows of the same tensors, a slice that sits in
 the last-level cache (cache_rows: at most 1024 rows of 7168, ~15 MB read, and at most a quarter of the cache), timed
-warm after the row's rounds: about what the kernel's arithmetic allows with DRAM out of the way; "cache/copy" is
-that over the row's copy, roughly the ceiling "of copy BW" could reach were every DRAM access overlapped with work
-(a low bound where a kernel streams its output past the cache: rmsnorm, e5m6 and rope write to memory from the slice
-too). The latency rows divide by the copy measured at the start. "of run copy" divides tegula's bandwidth by the
+after the row's rounds, sampled in turn with the copy: about what the kernel's arithmetic allows with DRAM out of
+the way; "cache/copy" is the median of its paired ratios to the copy, roughly the ceiling "of copy BW" could reach
+were every DRAM access overlapped with work (a low bound where a kernel streams its output past the cache: rmsnorm,
+e5m6 and rope write to memory from the slice too). The latency rows divide by the copy measured at the start. "of run copy" divides tegula's bandwidth by the
 median of every copy sample of the run (all rows' samples together): a reference that does not move with the moments
 a row happened to sample. The MoE routing rows are latency rows (a few MB), where ratios matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
@@ -273,9 +273,12 @@ def main(argv=None):
             copy_gbs = copy_moved / (t["copy"].median_ms * 1e-3) / 1e9
             paired = sorted(moved_bytes * tc / (copy_moved * to) for to, tc in zip(samples["ours"], samples["copy"]))
             of_copy, prange = statistics.median(paired), f"{paired[0]:.2f}-{paired[-1]:.2f}"
-            if cached is not None:
-                cache_gbs = cached[1] / (timer(cached[0], warmup=3, rep=max(args.reps, 10)).median_ms * 1e-3) / 1e9
-                cache_of = cache_gbs / copy_gbs
+            if cached is not None:  # paired with the copy as the row's rounds are; samples of >= 20 ms of calls,
+                # so that the one call a sample makes on a cache the copy has just flushed weighs little
+                cs = interleaved({"cached": cached[0], "copy": copy_fn}, args.reps, clock, 2e-2)
+                cache_gbs = cached[1] / statistics.median(cs["cached"]) / 1e9
+                cache_of = statistics.median(cached[1] * tc / (copy_moved * to) for to, tc in zip(cs["cached"],
+                                                                                                 cs["copy"]))
         else:
             copy_gbs, prange = peak, "-"
             of_copy = gbs / copy_gbs
