@@ -14,9 +14,10 @@ the last-level cache (cache_rows: at most 1024 rows of 7168, ~15 MB read, and at
 after the row's rounds, sampled in turn with the copy: about what the kernel's arithmetic allows with DRAM out of
 the way; "cache/copy" is the median of its paired ratios to the copy, roughly the ceiling "of copy BW" could reach
 were every DRAM access overlapped with work (a low bound where a kernel streams its output past the cache: rmsnorm,
-e5m6 and rope write to memory from the slice too). The latency rows divide by the copy measured at the start. "of run copy" divides tegula's bandwidth by the
-median of every copy sample of the run (all rows' samples together): a reference that does not move with the moments
-a row happened to sample. The MoE routing rows are latency rows (a few MB), where ratios matter.
+e5m6 and rope write to memory from the slice too). The latency rows divide by the copy measured at the start. "of
+run copy" divides tegula's bandwidth by the median of every copy sample of the run (all rows' samples together): a
+reference that does not move with the moments a row happened to sample. The MoE routing rows are latency rows (a few
+MB), where ratios matter.
 On a machine other work shares, --clock cpu runs every contender (the copy too) on one thread and times it by the
 process CPU time a call takes, which that load disturbs far less than wall-clock time (GB/s are then per core).
 """
