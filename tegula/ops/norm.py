@@ -364,10 +364,10 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
     -> 62.6; against the commit before, separate processes, 2 threads: 11.9-12.3 -> 12.9-14.3 GB/s. Measured and
     not kept: each chunk's codes staged and streamed out (non-temporal stores), 1.02x the time at 1 and 2 threads;
     on a later Xeon (2 MiB L2, 74880 x 7168, 2 threads, alternating processes) the weight widened once a block into
-    float32 even / odd tiles, 21.9-22.1 vs 22.4-23.0 GB/s from cache, 16.9-17.0 vs 16.8-17.4 from memory. From cache
-    this kernel runs at ~0.72 of a copy from memory there: bound by its arithmetic. The sum of squares as one fma a
-    value would not be the same bits: for |x| < 2^-63 the square underflows and rounds, and the fma's single
-    rounding then differs from the reference's square-then-add on ties."""
+    float32 even / odd tiles, 21.9-22.1 vs 22.4-23.0 GB/s from cache (256 rows), 16.9-17.0 vs 16.8-17.4 from memory.
+    From cache this kernel runs at ~0.72 of a copy from memory there: bound by its arithmetic. The sum of squares
+    as one fma a value would not be the same bits: for |x| < 2^-63 the square underflows and rounds, and the fma's
+    single rounding then differs from the reference's square-then-add on ties."""
     NT, H2, XST = T.dynamic("num_tokens"), T.dynamic("hidden2"), T.dynamic("x_stride2")
     SR, SC, SSM, SSK = T.dynamic("sf_rows"), T.dynamic("sf_cols"), T.dynamic("sf_sm"), T.dynamic("sf_sk")
     maxv, cmin = FMT_MAX["e4m3"], CLAMP_MIN["e4m3"]
