@@ -301,73 +301,70 @@ def main(argv=None):
     # the kernels quant.per_token_cast picks for this shape (bf16 read as words of two elements; block width:
     # quant._pairs_shape)
     xw, q16 = x.view(torch.uint32), q8.view(torch.uint16)
-    k = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
     R = min(cache_rows(llc), T_)
-    bench("per_token_cast bf16->e4m3 /128", lambda: k(xw, q16, sf.view(torch.int32), H, 0),
-          lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x), T_ * H * 3 + sf.numel() * 4,
-          (lambda: k(xw[:R], q16[:R], sf[:R].view(torch.int32), H, 0), R * H * 3 + R * (H // 128) * 4))
-    sfp, sfk = _tk.alloc_sf(T_, H // 128, True, True)
+
+    def rows_bench(name, run, moved, n, r, eager, compiled):
+        """bench() of ``run(rows)``, tegula's call on the first ``rows`` rows of its tensors (``moved(rows)`` bytes):
+        on all n of them, and on r for the cache columns."""
+        bench(name, lambda: run(n), eager, compiled, moved(n), (lambda: run(r), moved(r)))
+
+    k = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, False, False))
+    rows_bench("per_token_cast bf16->e4m3 /128", lambda m: k(xw[:m], q16[:m], sf[:m].view(torch.int32), H, 0),
+               lambda m: m * H * 3 + m * (H // 128) * 4, T_, R,
+               lambda: per_token_cast_ref(x), wrap(per_token_cast_ref, x))
     kp = lazy(QP.per_token_pairs, "e4m3", 128, *quant._pairs_shape(H, "e4m3", 128, True, True))
-    sfp_r, sfk_r = _tk.alloc_sf(R, H // 128, True, True)
-    bench("per_token_cast ue8m0 packed", lambda: kp(xw, q16, sfk, H, 3),
-          lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x), T_ * H * 3 + sfp.numel() * 4,
-          (lambda: kp(xw[:R], q16[:R], sfk_r, H, 3), R * H * 3 + sfp_r.numel() * 4))
+    sfks = {m: _tk.alloc_sf(m, H // 128, True, True) for m in (T_, R)}  # (the packed column-major layout of m rows)
+    rows_bench("per_token_cast ue8m0 packed", lambda m: kp(xw[:m], q16[:m], sfks[m][1], H, 3),
+               lambda m: m * H * 3 + sfks[m][0].numel() * 4, T_, R,
+               lambda: per_token_cast_ue8m0_ref(x), wrap(per_token_cast_ue8m0_ref, x))
     q4 = torch.empty(T_, H // 2, dtype=torch.uint8)
     sf32 = torch.empty(T_, H // 32, dtype=torch.float32)
     k4 = lazy(QP.per_token_pairs, "e2m1", 32, *quant._pairs_shape(H, "e2m1", 32, False, False))
-    bench("per_token_cast bf16->e2m1 /32", lambda: k4(xw, q4, sf32.view(torch.int32), H, 0),
-          lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x), T_ * H * 2.5 + sf32.numel() * 4,
-          (lambda: k4(xw[:R], q4[:R], sf32[:R].view(torch.int32), H, 0), R * H * 2.5 + R * (H // 32) * 4))
+    rows_bench("per_token_cast bf16->e2m1 /32", lambda m: k4(xw[:m], q4[:m], sf32[:m].view(torch.int32), H, 0),
+               lambda m: m * H * 2.5 + m * (H // 32) * 4, T_, R,
+               lambda: per_token_cast_fp4_ref(x), wrap(per_token_cast_fp4_ref, x))
     sfb = torch.empty(T_ // 128, H // 128, dtype=torch.float32)
     kb = lazy(QP.per_block_pairs, 128, 128, H)
-    bench("per_block_cast 128x128", lambda: kb(xw, q16, sfb.view(torch.int32), H, 0),
-          lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x), T_ * H * 3,
-          (lambda: kb(xw[:R], q16[:R], sfb[:R // 128].view(torch.int32), H, 0), R * H * 3))
+    rows_bench("per_block_cast 128x128", lambda m: kb(xw[:m], q16[:m], sfb[:m // 128].view(torch.int32), H, 0),
+               lambda m: m * H * 3, T_, R, lambda: per_block_cast_ref(x), wrap(per_block_cast_ref, x))
     kc = lazy(QP.per_channel_pairs, H)
     sfc = torch.empty(T_ // 128, H, dtype=torch.float32)
-    bench("per_channel_cast 128x1", lambda: kc(xw, q16, sfc.view(torch.int32), 0),
-          lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x), T_ * H * 3,
-          (lambda: kc(xw[:R], q16[:R], sfc[:R // 128].view(torch.int32), 0), R * H * 3))
+    rows_bench("per_channel_cast 128x1", lambda m: kc(xw[:m], q16[:m], sfc[:m // 128].view(torch.int32), 0),
+               lambda m: m * H * 3, T_, R, lambda: per_channel_cast_ref(x), wrap(per_channel_cast_ref, x))
     e5 = torch.empty(T_, H // 8 * 3, dtype=torch.uint32)
     sf1 = torch.empty(T_, 1, dtype=torch.float32)
     ke = lazy(EK.per_row_cast_e5m6, "bfloat16", *EK.widths(H))
-    xw = x.view(torch.uint32)
-    bench("per_token_cast_to_e5m6", lambda: ke(x, xw, e5, sf1.view(torch.int32), H, 0),
-          lambda: e5m6_ref(x), wrap(e5m6_ref, x), T_ * H * 3.5,
-          (lambda: ke(x[:R], xw[:R], e5[:R], sf1[:R].view(torch.int32), H, 0), R * H * 3.5))
+    rows_bench("per_token_cast_to_e5m6", lambda m: ke(x[:m], xw[:m], e5[:m], sf1[:m].view(torch.int32), H, 0),
+               lambda m: m * H * 3.5, T_, R, lambda: e5m6_ref(x), wrap(e5m6_ref, x))
     qq, ss = per_token_cast_ref(x)
     y = torch.empty(T_, H, dtype=torch.bfloat16)
     kbk = lazy(QK.cast_back, "e4m3", "bfloat16", 1, 128, False, 512)
-    bench("cast_back e4m3->bf16 /128", lambda: kbk(qq, ss.view(torch.int32), y, H),
-          lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss), T_ * H * 3,
-          (lambda: kbk(qq[:R], ss[:R].view(torch.int32), y[:R], H), R * H * 3))
+    rows_bench("cast_back e4m3->bf16 /128", lambda m: kbk(qq[:m], ss[:m].view(torch.int32), y[:m], H),
+               lambda m: m * H * 3, T_, R, lambda: cast_back_ref(qq, ss), wrap(cast_back_ref, qq, ss))
     qq = q4 = e5 = None  # free them (the closures above have run)
 
     w = torch.randn(H).bfloat16()
     krn = lazy(norm.rmsnorm_kernel, "bfloat16", "bfloat16")
-    bench("rmsnorm bf16", lambda: krn(x, w, y, 1e-6), lambda: rmsnorm_ref(x, w), wrap(rmsnorm_ref, x, w),
-          T_ * H * 4, (lambda: krn(x[:R], w, y[:R], 1e-6), R * H * 4))
+    rows_bench("rmsnorm bf16", lambda m: krn(x[:m], w, y[:m], 1e-6), lambda m: m * H * 4, T_, R,
+               lambda: rmsnorm_ref(x, w), wrap(rmsnorm_ref, x, w))
     krc = lazy(norm.rmsnorm_cast_pairs_kernel, 128)  # what the op runs on bf16 x and weight (rows as uint32 words)
-    bench("rmsnorm+per_token_cast", lambda: krc(x.view(torch.uint32), w.view(torch.uint32),
-                                                q8.view(torch.uint16), sf.view(torch.int32), 1e-6, 0),
-          lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w), T_ * H * 3 + sf.numel() * 4,
-          (lambda: krc(x[:R].view(torch.uint32), w.view(torch.uint32), q8[:R].view(torch.uint16),
-                       sf[:R].view(torch.int32), 1e-6, 0), R * H * 3 + R * (H // 128) * 4))
+    rows_bench("rmsnorm+per_token_cast", lambda m: krc(xw[:m], w.view(torch.uint32), q16[:m],
+                                                       sf[:m].view(torch.int32), 1e-6, 0),
+               lambda m: m * H * 3 + m * (H // 128) * 4, T_, R,
+               lambda: rmsnorm_cast_ref(x, w), wrap(rmsnorm_cast_ref, x, w))
     y = None
 
     xs = x.view(T_ * H // 4096, 4096)  # SwiGLU over hidden 2048: x (tokens, 4096)
     n2 = xs.shape[0]
-    R2 = min(n2, R * H // 4096)  # the cache columns' rows: the bytes of R rows of x
     qs = torch.empty(n2, 2048, dtype=torch.float8_e4m3fn)
     sfs = torch.empty(n2, 16, dtype=torch.float32)
     i32, f32 = torch.zeros(1, dtype=torch.int32), torch.zeros(1)
     ksw = lazy(_swiglu.swiglu_forward_pairs, 2048, 128, False, False, False)  # what the op runs on bf16 x
     tb = _swiglu._silu_table()
-    bench("swiglu+per_token_cast", lambda: ksw(xs.view(torch.uint32), qs.view(torch.uint16), sfs.view(torch.int32),
-                                                i32, f32, i32, tb, 0.0, 1e-4, 0),
-          lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs), n2 * 4096 * 2 + n2 * 2048 + sfs.numel() * 4,
-          (lambda: ksw(xs[:R2].view(torch.uint32), qs[:R2].view(torch.uint16), sfs[:R2].view(torch.int32), i32, f32,
-                       i32, tb, 0.0, 1e-4, 0), R2 * (4096 * 2 + 2048 + 16 * 4)))
+    rows_bench("swiglu+per_token_cast", lambda m: ksw(xs[:m].view(torch.uint32), qs[:m].view(torch.uint16),
+                                                      sfs[:m].view(torch.int32), i32, f32, i32, tb, 0.0, 1e-4, 0),
+               lambda m: m * (4096 * 2 + 2048 + 16 * 4), n2, min(n2, R * H // 4096),  # (the bytes of R rows of x)
+               lambda: swiglu_cast_ref(xs), wrap(swiglu_cast_ref, xs))
     qs = None
 
     heads, d = 16, 128  # q (tokens, 16, 128) bf16, NeoX over the first 64 dims
@@ -377,10 +374,8 @@ def main(argv=None):
     pos = torch.randint(0, 8192, (nq,))
     kr = lazy(rope_kernel, "bfloat16", "float32", d, 64, False, False, True, streams_in_place())  # as the op
     pos32 = pos.int()
-    nqr = min(nq, R * H // (heads * d))
-    bench("rope neox in place", lambda: kr(q, pos32, cs, nq, 0), lambda: rope_ref(q, cs, pos),
-          wrap(rope_ref, q, cs, pos), nq * heads * 64 * 2 * 2,
-          (lambda: kr(q[:nqr], pos32[:nqr], cs, nqr, 0), nqr * heads * 64 * 2 * 2))
+    rows_bench("rope neox in place", lambda m: kr(q[:m], pos32[:m], cs, m, 0), lambda m: m * heads * 64 * 2 * 2,
+               nq, min(nq, R * H // (heads * d)), lambda: rope_ref(q, cs, pos), wrap(rope_ref, q, cs, pos))
     x = q8 = sf = None
 
     # MoE routing: latency rows (inputs of a few MB)

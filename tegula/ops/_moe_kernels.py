@@ -287,7 +287,7 @@ def top2_sum_gate(E, K, NG, NTG, scoring, n_shared, mask_on, fix_on, unmapped_on
                                                          "int32")
             sel = T.alloc_fragment((BM, K), "int32")
             full = T.alloc_var("int32", 1)
-            if grouped and NTG * EPG >= K:
+            if grouped and NK >= K:
                 # the K best among the kept groups' experts only (keys carry the expert's index); they are the K best
                 # of all unless the K-th is -inf (or a NaN below it), where a dropped group's -inf could rank instead
                 slot = T.alloc_fragment((BM, NTG), "int32")
