@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import tegula
-from bench.common import add_clock_option, do_bench, print_table, side_by_side, use_clock
+from bench.common import add_clock_option, do_bench, print_table, side_by_side, summary, use_clock
 
 
 def load_example(name: str):
@@ -30,7 +30,7 @@ def load_example(name: str):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import add_clock_option, do_bench, last_level_cache, measure_bandwidth, print_table, use_clock
+from bench.common import add_clock_option, do_bench, last_level_cache, measure_bandwidth, print_table, summary, use_clock
 from bench.common import side_by_side as common_side_by_side
 from tegula.ops import attention as A
 
@@ -162,7 +162,7 @@ def varlen_row(dtype, seq, heads, dim, reps, gen):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="smaller caches and sequences (a smoke run)")
     add_clock_option(p)

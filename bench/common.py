@@ -10,12 +10,18 @@ import time
 from tegula.jit.profiler import Timing, do_bench
 
 __all__ = ["CLOCKS", "Timing", "add_clock_option", "copy_kernels", "do_bench", "interleaved", "measure_bandwidth",
-           "print_table", "side_by_side", "timing_ms", "try_compile", "use_clock"]
+           "print_table", "side_by_side", "summary", "timing_ms", "try_compile", "use_clock"]
 
 # --clock: wall (every core, wall-clock time) or cpu (one thread each side, process CPU time per call, which other
 # load on a shared machine disturbs far less)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_HELP = "wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call"
+
+
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: what a benchmark's ``--help`` says it does (its first line
+    alone may stop mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def add_clock_option(parser, help: str = CLOCK_HELP) -> None:

@@ -170,7 +170,8 @@ class StartLine:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)

@@ -142,7 +142,8 @@ def _compile(tegula, matmul, m, n, k, dtype, bm, bn, bk):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="fewer repeats, decode shapes with one tile config")

@@ -141,7 +141,8 @@ def _torch_gflops(shape, trans, repeats):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--cc", default=os.environ.get("TEGULA_CC", "cc"))
     p.add_argument("--cflags", default="", help="appended to the kernel flags, e.g. -U__AVX512F__ (portable path)")
     p.add_argument("--repeats", type=int, default=9)

@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     last_level_cache,
     measure_bandwidth,
     print_table,
+    summary,
     use_clock,
 )
 from tegula.ops import gemm as dg  # noqa: E402
@@ -286,7 +287,7 @@ def indexer_rows(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--reps", type=int, default=7, help="interleaved repeats per row (default 7)")
     p.add_argument("--ws", type=int, default=None,
                    help="MiB of weights each decode contender cycles through (default: twice the last-level cache, "

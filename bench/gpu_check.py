@@ -123,7 +123,8 @@ def attention_rows(torch, tegula, batch, heads, seq, dim, repeats) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--skip-tests", action="store_true", help="only the timings")
     p.add_argument("--quick", action="store_true", help="smaller shapes (GEMM 2048^3, attention seq 2048)")
     p.add_argument("--repeats", type=int, default=20)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import tegula
 import tegula.language as T
 from bench.common import add_clock_option, check_gib, copy_kernels, interleaved, print_table
-from bench.common import timing_ms, try_compile, use_clock
+from bench.common import summary, timing_ms, try_compile, use_clock
 
 FP8_MAX = 448.0
 
@@ -144,7 +144,7 @@ def swiglu_ref(x):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--gib", type=float, default=1.0, help="working set read per kernel, GiB (default 1)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile peers (slow to build)")

@@ -51,7 +51,8 @@ def _measure(fn, repeats):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", default=None, help="comma-separated example names")
     p.add_argument("--cold", action="store_true", help="build into a fresh cache directory")

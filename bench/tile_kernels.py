@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     interleaved,
     last_level_cache,
     print_table,
+    summary,
     timing_ms,
     try_compile,
     use_clock,
@@ -222,7 +223,7 @@ def cpu_bench(fn, warmup: int = 2, rep: int = 10, min_time_s: float = 0.05) -> T
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--gib", type=float, default=1.0, help="working set read per memory-bound row, GiB (default 1)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers (slow to build)")

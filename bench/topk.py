@@ -26,7 +26,7 @@ import torch
 
 import tegula
 import tegula.language as T
-from bench.common import interleaved, last_level_cache, measure_bandwidth, print_table
+from bench.common import interleaved, last_level_cache, measure_bandwidth, print_table, summary
 from tegula.ops.topk import topk
 
 CLOCK = time.perf_counter   # time.thread_time with --cpu-time (kernels read TEGULA_NUM_THREADS when first loaded)
@@ -117,7 +117,7 @@ def check(x, k, values, indices, by_value):
 
 def main(argv=None):
     global CLOCK
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="batch 1 and 64 only, n in {8K, 1M}")
     p.add_argument("--threads", type=int, default=None, help="threads of tegula and torch (default: all cores)")

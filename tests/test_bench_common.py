@@ -1,5 +1,8 @@
 """bench.common's helpers that decide what a benchmark measures (the working-set sizes)."""
-from bench.common import LLC_DEFAULT, cache_size_bytes, last_level_cache
+import ast
+import pathlib
+
+from bench.common import LLC_DEFAULT, cache_size_bytes, last_level_cache, summary
 
 
 def test_cache_size_bytes():
@@ -29,3 +32,18 @@ def test_tile_kernels_cache_rows():
     for llc in (8 << 20, 45 << 20, 96 << 20, 260 << 20):
         r = cache_rows(llc)
         assert r % 128 == 0 and 128 <= r <= 1024 and (r == 128 or r * row <= llc // 4)
+
+
+def test_summary_is_the_first_paragraph():
+    """--help states a benchmark's whole first paragraph on one line, not its first line (which may stop
+    mid-sentence); every bench module's summary is a whole sentence."""
+    assert summary("One line.\nstill the first sentence.\n\nDetails.") == "One line. still the first sentence."
+    assert summary("\n  Indented   words\n") == "Indented words"
+    benches = sorted((pathlib.Path(__file__).parent.parent / "bench").glob("*.py"))
+    assert benches
+    for f in benches:
+        doc = ast.get_docstring(ast.parse(f.read_text()))
+        if f.name in ("__init__.py", "common.py") or "argparse" not in f.read_text():
+            continue
+        assert doc and summary(doc).endswith((".", ")")), f.name
+        assert "summary(__doc__)" in f.read_text(), f"{f.name}: --help should describe it by summary(__doc__)"
