@@ -11,22 +11,13 @@ call of each per round), which other load on a shared machine disturbs far less 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 
 import torch
 import torch.nn.functional as F
 
 import tegula
-from bench.common import add_clock_option, do_bench, print_table, side_by_side, summary, use_clock
-
-
-def load_example(name: str):
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", name + ".py")
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench.common import add_clock_option, do_bench, load_example, print_table, side_by_side, summary, use_clock
 
 
 def main(argv=None):

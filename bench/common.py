@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -10,12 +11,24 @@ import time
 from tegula.jit.profiler import Timing, do_bench
 
 __all__ = ["CLOCKS", "Timing", "add_clock_option", "copy_kernels", "do_bench", "interleaved", "measure_bandwidth",
-           "print_table", "side_by_side", "summary", "timing_ms", "try_compile", "use_clock"]
+           "load_example", "print_table", "side_by_side", "summary", "timing_ms", "try_compile", "use_clock"]
 
 # --clock: wall (every core, wall-clock time) or cpu (one thread each side, process CPU time per call, which other
 # load on a shared machine disturbs far less)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_HELP = "wall: every core, wall-clock time (default); cpu: one thread each, process CPU time per call"
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_example(name: str):
+    """examples/<name>.py of this checkout imported as a module (the benchmarks time the examples' kernel text
+    unchanged)."""
+    spec = importlib.util.spec_from_file_location(f"tegula_example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def summary(doc: str) -> str:

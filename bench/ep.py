@@ -170,7 +170,7 @@ class StartLine:
 
 
 def main() -> None:
-    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    from bench.common import summary  # (imported here: a worker process pins its core before it imports)
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)

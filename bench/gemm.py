@@ -142,7 +142,7 @@ def _compile(tegula, matmul, m, n, k, dtype, bm, bn, bk):
 
 
 def main() -> None:
-    from bench.common import summary  # (bench.common loads tegula: not at import time)
+    from bench.common import summary  # here as interleaved above: after OPENBLAS_THREAD_TIMEOUT is set
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from bench.common import summary
+
 PRELUDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tegula", "codegen", "prelude")
 CFLAGS = "-O3 -march=native -std=gnu11 -fPIC -shared -fopenmp -fwrapv -ffp-contract=off"
 SHAPES = [(128, 128, 32), (64, 64, 64), (128, 256, 64), (1, 128, 128), (17, 33, 7)]
@@ -141,7 +143,6 @@ def _torch_gflops(shape, trans, repeats):
 
 
 def main():
-    from bench.common import summary  # (bench.common loads tegula: not at import time)
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--cc", default=os.environ.get("TEGULA_CC", "cc"))
     p.add_argument("--cflags", default="", help="appended to the kernel flags, e.g. -U__AVX512F__ (portable path)")

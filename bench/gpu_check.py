@@ -29,15 +29,9 @@ import subprocess
 import sys
 import time
 
+from bench.common import load_example, summary
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _example(name):
-    path = os.path.join(ROOT, "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tegula_example_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _time_pair(torch, ours, theirs, repeats):
@@ -73,7 +67,7 @@ def run_tests(timeout_s: int) -> dict:
 
 
 def gemm_rows(torch, tegula, size, repeats) -> list:
-    ex = _example("gemm")
+    ex = load_example("gemm")
     rows = []
     for dtype in ("float16", "bfloat16"):
         t0 = time.time()
@@ -96,7 +90,7 @@ def gemm_rows(torch, tegula, size, repeats) -> list:
 
 def attention_rows(torch, tegula, batch, heads, seq, dim, repeats) -> list:
     import torch.nn.functional as F
-    ex = _example("flash_attention")
+    ex = load_example("flash_attention")
     rows = []
     for causal in (False, True):
         t0 = time.time()
@@ -123,7 +117,6 @@ def attention_rows(torch, tegula, batch, heads, seq, dim, repeats) -> list:
 
 
 def main(argv=None) -> int:
-    from bench.common import summary  # (bench.common loads tegula: not at import time)
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--skip-tests", action="store_true", help="only the timings")
     p.add_argument("--quick", action="store_true", help="smaller shapes (GEMM 2048^3, attention seq 2048)")

@@ -12,12 +12,13 @@ the usual tegula cache is used, so a second run shows the cached latency.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 import time
+
+from bench.common import load_example, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [  # label, example, prepare() keywords, reference keywords
@@ -32,14 +33,6 @@ CASES = [  # label, example, prepare() keywords, reference keywords
 ]
 
 
-def _example(name):
-    path = os.path.join(ROOT, "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tegula_example_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _measure(fn, repeats):
     cpu, wall = [], []
     for _ in range(repeats):
@@ -51,7 +44,6 @@ def _measure(fn, repeats):
 
 
 def main(argv=None) -> int:
-    from bench.common import summary  # (bench.common loads tegula: not at import time)
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", default=None, help="comma-separated example names")
@@ -64,7 +56,7 @@ def main(argv=None) -> int:
     for label, name, kw, ref_kw in CASES:
         if args.only and name not in args.only.split(","):
             continue
-        ex = _example(name)
+        ex = load_example(name)
         for target in ("c", "opencl"):
             t0 = time.perf_counter()
             kernel, inputs = ex.prepare(target, **kw)
