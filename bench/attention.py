@@ -11,7 +11,6 @@ call of each per round), which other load on a shared machine disturbs far less 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F

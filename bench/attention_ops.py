@@ -27,7 +27,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import add_clock_option, do_bench, last_level_cache, measure_bandwidth, print_table, summary, use_clock
+from bench.common import (
+    add_clock_option,
+    do_bench,
+    last_level_cache,
+    measure_bandwidth,
+    print_table,
+    summary,
+    use_clock,
+)
 from bench.common import side_by_side as common_side_by_side
 from tegula.ops import attention as A
 

@@ -32,7 +32,10 @@ def staged_groups(G, W):
 AHEAD = 2048  # words: how far ahead of its cast a whole tile's loop prefetches X (the next tile's amax reads them);
 # on an Intel Xeon with a 480 MB L3 (2 vCPUs, KVM), 74880 x 7168, 2 threads, alternated processes, each paired with
 # a copy of the same 1 GiB: per_token e4m3 0.782-0.802 of the copy at 1024 words, 0.809-0.830 at 2048 (4096:
-# 0.819-0.841), e2m1 0.656-0.666 -> 0.674-0.688, per_block within noise (0.69-0.72 at each)
+# 0.819-0.841), e2m1 0.656-0.666 -> 0.674-0.688, per_block within noise (0.69-0.72 at each). Later, same setup
+# (3 rounds each): per_token 0.785-0.787 at 2048, 0.779-0.787 at 4096, 0.781-0.790 at 8192; without the prefetch
+# 0.618-0.633 against 0.788-0.803; each tile's codes staged and streamed out (non-temporal) 0.785-0.806 against
+# 0.794-0.813 stored in place (not kept)
 
 
 def per_token_pairs(fmt, G, W=2048, RB=0):
