@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from bench.common import summary  # (plain Python: no torch, no numpy, no OpenMP before a worker pins its core)
+
 
 def _worker(args) -> None:
     rank, world = args.worker, args.ranks
@@ -170,7 +172,6 @@ class StartLine:
 
 
 def main() -> None:
-    from bench.common import summary  # (imported here: a worker process pins its core before it imports)
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)

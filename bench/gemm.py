@@ -32,6 +32,8 @@ import time
 # Read when OpenBLAS loads, so set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+from bench.common import summary  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = [(m, n, k) for m in (1, 4, 16, 64) for n, k in ((7168, 2048), (2048, 7168))]
 DECODE_TILES = [(128, 32), (256, 64), (128, 128)]  # (block_N, block_K) tried per decode shape
@@ -142,7 +144,6 @@ def _compile(tegula, matmul, m, n, k, dtype, bm, bn, bk):
 
 
 def main() -> None:
-    from bench.common import summary  # here as interleaved above: after OPENBLAS_THREAD_TIMEOUT is set
     p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
