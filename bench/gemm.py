@@ -32,7 +32,7 @@ import time
 # Read when OpenBLAS loads, so set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from bench.common import summary  # noqa: E402
+from bench.common import interleaved, summary  # noqa: E402  (numpy, where bench.common loads it, after that)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = [(m, n, k) for m in (1, 4, 16, 64) for n, k in ((7168, 2048), (2048, 7168))]
@@ -123,8 +123,6 @@ compile_s = []  # (wall, C compiler CPU seconds) of every compile
 def side_by_side(fns: dict, repeats: int, min_s: float) -> dict:
     """{name: (median, min, max) seconds per call}, the samples of every fn interleaved (bench.common.interleaved);
     a peer whose one call takes over a second (torch fp16 on a CPU without AVX512-FP16) is timed once."""
-    from bench.common import interleaved  # here: bench.common loads numpy, after OPENBLAS_THREAD_TIMEOUT is set
-
     fns = {k: f for k, f in fns.items() if f is not None}
     return {k: (statistics.median(v), min(v), max(v))
             for k, v in interleaved(fns, repeats, CLOCK, min_s, once_s=1.0).items()}
