@@ -35,7 +35,9 @@ AHEAD = 2048  # words: how far ahead of its cast a whole tile's loop prefetches 
 # 0.819-0.841), e2m1 0.656-0.666 -> 0.674-0.688, per_block within noise (0.69-0.72 at each). Later, same setup
 # (3 rounds each): per_token 0.785-0.787 at 2048, 0.779-0.787 at 4096, 0.781-0.790 at 8192; without the prefetch
 # 0.618-0.633 against 0.788-0.803; each tile's codes staged and streamed out (non-temporal) 0.785-0.806 against
-# 0.794-0.813 stored in place (not kept)
+# 0.794-0.813 stored in place (not kept); the prefetch into L1 (T0) 0.810-0.839 against 0.810-0.836. With the cast's
+# arithmetic removed from the generated C (codes = the words' high halves) the kernel read 0.957-0.970 of the copy
+# against 0.812-0.815 whole, 2 pairs: the arithmetic (~10 TSC cycles per 16 words from L1) overlaps memory only in part
 
 
 def per_token_pairs(fmt, G, W=2048, RB=0):
