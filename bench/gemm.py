@@ -32,7 +32,7 @@ import time
 # Read when OpenBLAS loads, so set before anything imports numpy.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from bench.common import interleaved, summary  # noqa: E402  (numpy, where bench.common loads it, after that)
+from bench.common import interleaved, summary  # noqa: E402  (bench.common may load numpy: after that)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = [(m, n, k) for m in (1, 4, 16, 64) for n, k in ((7168, 2048), (2048, 7168))]

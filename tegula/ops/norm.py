@@ -367,8 +367,8 @@ def rmsnorm_cast_pairs_kernel(G, RB=32, W=1024, BM=1):
     float32 even / odd tiles, 21.9-22.1 vs 22.4-23.0 GB/s from cache (256 rows), 16.9-17.0 vs 16.8-17.4 from memory.
     The sum of squares as one fma a value would not be the same bits: for |x| < 2^-63 the square underflows and
     rounds, and the fma's single rounding then differs from the reference's square-then-add on ties. On that Xeon,
-    1 thread, 64 rows (in L2), the generated C with parts removed: 22.1-22.7 TSC cycles per 16 words (2.6 GHz TSC,
-    ~3.6-4 GHz core), 11.3-11.9 without the second pass's cast arithmetic, 19.9-20.2 without the group max, 9.4-9.7
+    1 thread, 64 rows (in L2), the generated C with parts removed: 22.1-23.5 TSC cycles per 16 words (2.6 GHz TSC,
+    ~3.6-4 GHz core), 11.3-11.9 without the second pass's cast arithmetic, 19.9-20.2 without the group max, 9.4-10.1
     without both (a core computes 11.0-11.3 GB/s of it; 0.8 of a 26 GB/s two-thread copy asks 10.4 of each core).
     From memory (74880 x 7168, 2 threads) the kernel with both removed read 0.72-0.74 of the copy at one moment and
     0.58-0.62 at another, the whole kernel 0.60 at both. Measured and not kept there: the next row's prefetch split
