@@ -42,8 +42,9 @@ def test_summary_is_the_first_paragraph():
     benches = sorted((pathlib.Path(__file__).parent.parent / "bench").glob("*.py"))
     assert benches
     for f in benches:
-        doc = ast.get_docstring(ast.parse(f.read_text()))
-        if f.name in ("__init__.py", "common.py") or "argparse" not in f.read_text():
+        text = f.read_text()
+        if f.name in ("__init__.py", "common.py") or "argparse" not in text:
             continue
+        doc = ast.get_docstring(ast.parse(text))
         assert doc and summary(doc).endswith((".", ")")), f.name
-        assert "summary(__doc__)" in f.read_text(), f"{f.name}: --help should describe it by summary(__doc__)"
+        assert "summary(__doc__)" in text, f"{f.name}: --help should describe it by summary(__doc__)"
